@@ -1,0 +1,49 @@
+"""ember: a high-throughput, plugin-oriented LLM inference engine.
+
+The public names resolve on first use, so `import ember` imports neither torch nor any plugin.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "ember.entrypoints.llm:LLM",
+    "SamplingParams": "ember.sampling_params:SamplingParams",
+    "TextPrompt": "ember.inputs:TextPrompt",
+    "TokensPrompt": "ember.inputs:TokensPrompt",
+    "RequestOutput": "ember.outputs:RequestOutput",
+    "CompletionOutput": "ember.outputs:CompletionOutput",
+    "EngineArgs": "ember.config:EngineArgs",
+    "LLMEngine": "ember.core.engine:LLMEngine",
+    "AsyncLLM": "ember.core.async_engine:AsyncLLM",
+    "ModelRegistry": "ember.registry:ModelRegistry",
+}
+
+__all__ = sorted(_LAZY)
+
+if TYPE_CHECKING:
+    from ember.config import EngineArgs
+    from ember.core.engine import LLMEngine
+    from ember.entrypoints.llm import LLM
+    from ember.inputs import TextPrompt, TokensPrompt
+    from ember.outputs import CompletionOutput, RequestOutput
+    from ember.registry import ModelRegistry
+    from ember.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'ember' has no attribute {name!r}")
+    module_name, _, attr = target.partition(":")
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

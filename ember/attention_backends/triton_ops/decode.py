@@ -1,0 +1,329 @@
+"""Paged decode attention (one query token per request) with split-KV (flash-decoding).
+
+Kernel 1 runs one program per (request, kv head, split): it loads the query rows of every query
+head in the kv group at once (GQA: each K/V tile is read from HBM once for the whole group),
+walks its share of the context in BLOCK_N-token tiles gathered through ``block_table``, and keeps
+an online softmax in fp32. With one split it writes the output directly (the fast path when the
+batch alone fills the GPU); otherwise it writes a normalised partial output and its log-sum-exp,
+and kernel 2 merges the splits of each (request, head).
+
+The grid depends only on the batch size and the split count, and empty splits or requests with
+``seq_len == 0`` (padding in CUDA-graph batches) are handled in the kernels, so launches are
+graph-safe. Tuning knobs live in ``DECODE_CONFIGS`` (benchmarks/attention_kernels.py sweeps them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.attention_backends.triton_ops.common import (
+    NEG_BIG,
+    device_index,
+    dot_precision,
+    head_pad,
+    num_sms,
+    scaled_scores,
+)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int = 64  # keys per tile; a multiple of the cache block size reads whole blocks
+    num_warps: int = 4
+    num_stages: int = 3
+    # Split the context until about this many programs run per SM (fills the GPU with
+    # independent streams of loads); no split when batch * kv_heads already reaches it.
+    programs_per_sm: int = 2
+    min_split_tokens: int = 512  # never make splits shorter than this (reduce overhead)
+    max_splits: int = 64
+
+
+# Defaults per head size; edit after running benchmarks/attention_kernels.py on the target GPU.
+DECODE_CONFIGS: dict[int, DecodeConfig] = {
+    64: DecodeConfig(block_n=128, num_warps=4, num_stages=3),
+    128: DecodeConfig(block_n=64, num_warps=4, num_stages=3),
+    256: DecodeConfig(block_n=32, num_warps=4, num_stages=3),
+}
+
+
+def default_config(head_size: int) -> DecodeConfig:
+    return DECODE_CONFIGS.get(head_pad(head_size), DecodeConfig())
+
+
+def choose_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int | None,
+    config: DecodeConfig,
+    sms: int = 132,
+) -> int:
+    """Splits per request so that batch * kv_heads * splits programs fill the GPU.
+
+    ``max_seq_len=None`` (e.g. CUDA-graph capture, where lengths change at replay) assumes long
+    contexts; the kernels then shrink the splits actually used per request to its length.
+    """
+    programs = batch * num_kv_heads
+    target = sms * config.programs_per_sm
+    if programs >= target:
+        return 1
+    splits = triton.cdiv(target, programs)
+    if max_seq_len is not None:
+        splits = min(splits, triton.cdiv(max_seq_len, config.min_split_tokens))
+    return max(1, min(splits, config.max_splits))
+
+
+@triton.jit
+def _split_plan(seq_len, window, num_splits, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
+    """First key tile of a request and keys per split (a multiple of BLOCK_N, at least one)."""
+    start = 0
+    if SLIDING:
+        start = tl.maximum(seq_len - window, 0)
+    start = (start // BLOCK_N) * BLOCK_N
+    span = tl.maximum(seq_len - start, 0)
+    per_split = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+    return start, tl.maximum(per_split, BLOCK_N)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    cache_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    softcap,
+    window,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ckv,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DIRECT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    start, per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
+    lo = start + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)  # hi <= lo: empty split, the loop does nothing
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_SIZE
+    q_ptrs = q_ptr + req.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    # Rows >= GROUP only pad M up to 16 for tl.dot; they are zero and never stored.
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(cache_ptr.dtype.element_ty)
+
+    k_base = cache_ptr + kvh * stride_ch
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    m_i = tl.full([GROUP_PAD], NEG_BIG, tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    for tile in range(lo, hi, BLOCK_N):
+        pos = tile + offs_n
+        n_mask = pos < hi
+        if SLIDING:
+            n_mask = n_mask & (pos >= seq_len - window)
+        # Block ids per key: several cache blocks per tile, gathered through the block table.
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
+        kv_off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_ct
+        kv_ptrs = k_base + kv_off[:, None] + offs_d[None, :]
+        if HEAD_PAD == HEAD_SIZE:
+            kv_mask = (pos < hi)[:, None]
+        else:
+            kv_mask = (pos < hi)[:, None] & d_mask[None, :]
+        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s = scaled_scores(qk, scale, softcap, SOFTCAP)
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / safe_l[:, None]
+    if DIRECT:
+        o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+        o_ptrs = o_ptrs + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        row = (req.to(tl.int64) * NUM_HEADS + heads) * num_splits + split  # [GROUP_PAD]
+        p_ptrs = part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :]
+        keep = g_mask & (lo < hi)
+        tl.store(p_ptrs, o, mask=keep[:, None])
+        tl.store(part_lse_ptr + row, m_i + tl.log2(safe_l), mask=keep)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    window,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    start, per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
+    # Only splits that saw keys wrote anything; the rest of the workspace is stale memory.
+    n_valid = tl.cdiv(tl.maximum(seq_len - start, 0), per_split)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    s_mask = offs_s < n_valid
+    row = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len == 0 (graph padding): output zeros
+    w = tl.where(s_mask, tl.exp2(lse - m), 0.0)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :],
+                    mask=s_mask[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+
+
+def decode_workspace_numel(batch: int, num_heads: int, head_size: int, num_splits: int) -> int:
+    """fp32 elements of split workspace: partial outputs plus one log-sum-exp per split."""
+    return batch * num_heads * num_splits * (head_pad(head_size) + 1)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    *,
+    logits_soft_cap: float | None = None,
+    max_seq_len: int | None = None,
+    workspace: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per request over its paged context.
+
+    q: [batch, num_heads, head_size]; kv_cache: [2, num_blocks, block_size, num_kv_heads,
+    head_size]; seq_lens: [batch] int32 (context length including the query token);
+    block_table: [batch, max_blocks] int32. Returns out [batch, num_heads, head_size].
+    ``num_splits=None`` picks from the batch (and ``max_seq_len`` when given); ``workspace``
+    (fp32, >= decode_workspace_numel(...)) avoids an allocation per call.
+    """
+    batch, num_heads, head_size = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    assert num_heads % num_kv_heads == 0
+    assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.stride(-1) == 1
+    if batch == 0:
+        return out
+    cfg = config or default_config(head_size)
+    if num_splits is None:
+        sms = num_sms(device_index(q))
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, cfg, sms)
+    group = num_heads // num_kv_heads
+    hpad = head_pad(head_size)
+    sliding = sliding_window is not None and sliding_window > 0
+    direct = num_splits == 1
+    if direct:
+        part_out = part_lse = out  # unused by the kernel
+    else:
+        n_part = batch * num_heads * num_splits
+        need = n_part * (hpad + 1)
+        if workspace is None or workspace.numel() < need:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        part_out = workspace[: n_part * hpad]
+        part_lse = workspace[n_part * hpad : need]
+    common = dict(
+        window=sliding_window if sliding else 0,
+        num_splits=num_splits,
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=hpad,
+        BLOCK_N=cfg.block_n,
+        SLIDING=sliding,
+    )
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        kv_cache,
+        seq_lens,
+        block_table,
+        out,
+        part_out,
+        part_lse,
+        scale=scale,
+        softcap=logits_soft_cap or 0.0,
+        stride_qt=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_ckv=kv_cache.stride(0),
+        stride_cb=kv_cache.stride(1),
+        stride_ct=kv_cache.stride(2),
+        stride_ch=kv_cache.stride(3),
+        stride_bt=block_table.stride(0),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        SOFTCAP=bool(logits_soft_cap),
+        DIRECT=direct,
+        DOT_PREC=dot_precision(kv_cache.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **common,
+    )
+    if not direct:
+        _reduce_kernel[(batch, num_heads)](
+            part_out,
+            part_lse,
+            seq_lens,
+            out,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4 if hpad >= 128 else 2,
+            **common,
+        )
+    return out

@@ -1,0 +1,162 @@
+"""EngineArgs (what a user sets) and the resolved configs the engine runs with."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
+                  "bf16": "bfloat16"}
+
+
+@dataclass
+class EngineArgs:
+    """Every engine setting, with vLLM's names. `model=None` means the embedded default model."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
+    quantization: str | None = None
+    device: str | None = None  # platform name; None = detect
+    attention_backend: str | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    enforce_eager: bool = False
+    compile_model: bool = False
+    tensor_parallel_size: int = 1
+    disable_log_stats: bool = True
+    show_progress: bool = True
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def validate(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(
+                f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}"
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if self.quantization not in (None, "gguf"):
+            raise ValueError(f"unknown quantization method {self.quantization!r}")
+
+
+@dataclass
+class ModelConfig:
+    """The model as resolved from disk: where it is, its HF config, dtype and length limit."""
+
+    path: str  # an HF directory or a .gguf file
+    hf_config: PretrainedConfig
+    architecture: str
+    dtype: str
+    max_model_len: int
+    load_format: str
+    is_gguf: bool
+    tokenizer: str | None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The embedded default when None; otherwise a local directory or .gguf file that exists."""
+    if model is None:
+        from ember.default_model import default_model_path
+
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ValueError(
+            f"model {model!r} not found: expected a local HF-format directory (config.json + "
+            "*.safetensors) or a .gguf file (ember does not download from a model hub)"
+        )
+    if os.path.isfile(path) and not path.endswith(".gguf"):
+        raise ValueError(f"model {model!r} is a file but not a .gguf file")
+    return path
+
+
+def load_hf_config(path: str, trust_remote_code: bool = False) -> tuple[PretrainedConfig, bool]:
+    """The HF config of a directory (config.json) or a GGUF file (its metadata)."""
+    if path.endswith(".gguf"):
+        from ember.models.loader.gguf import gguf_hf_config
+
+        return gguf_hf_config(path), True
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model directory {path!r} has no config.json")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"cannot read config.json of {path!r}: {exc}") from exc
+    return config, False
+
+
+def resolve_dtype(requested: str, hf_config: PretrainedConfig, platform) -> str:
+    requested = _DTYPE_ALIASES.get(requested, requested)
+    if requested == "auto":
+        # CPUs default to float32 (exact, and fast without bf16 units); GPUs to the platform's.
+        dtype = platform.default_dtype
+        if platform.device_type != "cpu":
+            cfg_dtype = str(getattr(hf_config, "torch_dtype", None) or "").replace("torch.", "")
+            if cfg_dtype in ("float16", "bfloat16"):
+                dtype = cfg_dtype
+        return dtype
+    if requested not in platform.supported_dtypes:
+        raise ValueError(
+            f"dtype {requested} is not supported on platform {platform.name}; "
+            f"supported: {', '.join(platform.supported_dtypes)}"
+        )
+    return requested
+
+
+def resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig) -> int:
+    derived = None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            derived = value
+            break
+    if requested is None:
+        if derived is None:
+            raise ValueError("the model config gives no context length: set max_model_len")
+        return derived
+    if derived is not None and requested > derived:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings={derived}"
+        )
+    return requested

@@ -1,0 +1,192 @@
+"""Scheduler: builds each step under a token budget, mixing decodes and prefill chunks.
+
+There are no phases: every running request asks for the tokens it still lacks (1 for a decode, the
+rest of its prompt for a prefill), capped by the step's remaining budget, so long prompts are
+chunked. Running requests go first; if blocks run out, the newest running request is preempted
+(its blocks freed, to be recomputed later). Waiting requests are admitted while budget, blocks and
+`max_num_seqs` allow, after a prefix-cache lookup.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from ember.core.kv_cache_manager import KVCacheManager
+from ember.core.request import Request, RequestStatus
+from ember.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # to tell the workers at the next step
+        self._known_to_workers: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- request lifecycle -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests from outside (abort, stop string): free their blocks now."""
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._known_to_workers:
+            self._finished_ids.add(request.request_id)
+            self._known_to_workers.discard(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self.max_num_batched_tokens
+        preempted_now = False
+        scheduled: list[Request] = []
+
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                idx += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # the newest request loses its blocks
+                self._preempt(victim, out)
+                preempted_now = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+                out.num_scheduled_tokens[request.request_id] = num_new
+                budget -= num_new
+                idx += 1
+                continue
+            break  # the request itself was preempted; everything after it is gone too
+
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted_now
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hits, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.time()
+            self.running.append(request)
+            scheduled.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+        for request in scheduled:
+            self._describe(request, out)
+        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.num_scheduled_tokens.pop(request.request_id, None)
+        if request.request_id in self._known_to_workers:
+            out.preempted_req_ids.add(request.request_id)
+            self._known_to_workers.discard(request.request_id)
+
+    def _describe(self, request: Request, out: SchedulerOutput) -> None:
+        req_id = request.request_id
+        block_ids = self.kv.block_ids(req_id)
+        if req_id in self._known_to_workers:
+            out.cached_requests.append(
+                CachedRequestData(req_id, block_ids, request.num_computed_tokens)
+            )
+        else:
+            self._known_to_workers.add(req_id)
+            out.new_requests.append(
+                NewRequestData(
+                    req_id,
+                    request.prompt_token_ids,
+                    list(request.output_token_ids),
+                    request.sampling_params,
+                    block_ids,
+                    request.num_computed_tokens,
+                )
+            )
+
+    # ---- results -----------------------------------------------------------------------
+    def update_from_output(
+        self, out: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[Request]:
+        """Advance progress, append sampled tokens, finish requests; returns those with news."""
+        now = time.time()
+        touched: list[Request] = []
+        for req_id, num in out.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            request.num_computed_tokens += num
+            token = result.sampled_token_ids.get(req_id)
+            if token is None:
+                if req_id in result.prompt_logprobs:
+                    touched.append(request)
+                continue
+            request.append_output_token(token)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            if request.check_stop(self.max_model_len):
+                self.running.remove(request)
+                self._free(request)
+            touched.append(request)
+        return touched

@@ -1,0 +1,100 @@
+"""UniProcExecutor: resolves platform, model, tokenizer and attention backend, and runs the model
+runner in this process. The KV cache is sized here from the memory budget."""
+
+from __future__ import annotations
+
+import logging
+
+from ember.config import (
+    EngineArgs,
+    ModelConfig,
+    load_hf_config,
+    resolve_dtype,
+    resolve_max_model_len,
+    resolve_model_path,
+)
+from ember.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("ember")
+
+
+def build_model_config(args: EngineArgs, platform) -> ModelConfig:
+    from ember.registry import ModelRegistry
+
+    path = resolve_model_path(args.model)
+    hf_config, is_gguf = load_hf_config(path, args.trust_remote_code)
+    for key, value in args.hf_overrides.items():
+        setattr(hf_config, key, value)
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    arch = next((a for a in archs if a in ModelRegistry), None)
+    if arch is None:
+        raise ValueError(
+            f"model architecture {archs or '(none given in config)'} is not supported; "
+            f"known architectures: {', '.join(ModelRegistry.names())}"
+        )
+    if args.load_format == "gguf" and not is_gguf:
+        raise ValueError(f"load_format='gguf' but {path!r} is not a .gguf file")
+    return ModelConfig(
+        path=path,
+        hf_config=hf_config,
+        architecture=arch,
+        dtype=resolve_dtype(args.dtype, hf_config, platform),
+        max_model_len=resolve_max_model_len(args.max_model_len, hf_config),
+        load_format=args.load_format,
+        is_gguf=is_gguf,
+        tokenizer=args.tokenizer,
+    )
+
+
+def load_engine_tokenizer(args: EngineArgs, cfg: ModelConfig):
+    if args.skip_tokenizer_init:
+        return None
+    from ember.tokenizer import load_tokenizer
+
+    return load_tokenizer(cfg.tokenizer or cfg.path, trust_remote_code=args.trust_remote_code)
+
+
+class UniProcExecutor:
+    def __init__(self, args: EngineArgs) -> None:
+        import torch
+
+        from ember.attention_backends.selector import select_attention_backend
+        from ember.platforms import resolve_platform
+        from ember.plugins import load_plugins
+        from ember.worker.model_runner import ModelRunner
+
+        load_plugins()
+        self.platform = resolve_platform(args.device)
+        self.platform.seed_everything(args.seed)
+        self.model_config = build_model_config(args, self.platform)
+        hf = self.model_config.hf_config
+        head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.attn_backend = select_attention_backend(
+            self.platform,
+            dtype=self.model_config.dtype,
+            head_size=head_size,
+            sliding_window=bool(getattr(hf, "sliding_window", None)),
+            override=args.attention_backend,
+        )
+        self.tokenizer = load_engine_tokenizer(args, self.model_config)
+        self.runner = ModelRunner(
+            self.model_config,
+            self.attn_backend,
+            torch.device(self.platform.device()),
+            args.block_size,
+            show_progress=args.show_progress,
+        )
+        self.runner.load_model()
+        self.num_blocks = self._num_blocks(args)
+        self.runner.initialize_kv_cache(self.num_blocks)
+
+    def _num_blocks(self, args: EngineArgs) -> int:
+        if args.num_gpu_blocks_override is not None:
+            return args.num_gpu_blocks_override
+        budget = args.kv_cache_memory_bytes
+        if budget is None:
+            budget = self.platform.kv_cache_memory_bytes(args.gpu_memory_utilization)
+        return max(int(budget // self.runner.bytes_per_block()), 0)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)

@@ -1,0 +1,20 @@
+"""Prompt types accepted by LLM.generate / LLMEngine.add_request (vLLM's names)."""
+
+from __future__ import annotations
+
+from typing import TypedDict, Union
+
+from typing_extensions import NotRequired
+
+
+class TextPrompt(TypedDict):
+    prompt: str
+    multi_modal_data: NotRequired[dict]
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+PromptType = Union[str, TextPrompt, TokensPrompt]

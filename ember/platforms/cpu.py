@@ -1,0 +1,26 @@
+"""The CPU platform: float32 by default, the SDPA backend, KV cache sized from free RAM."""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+from ember.platforms.base import Platform
+
+_DEFAULT_CPU_KV_BYTES = 4 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE default of 4 GiB
+
+
+class CpuPlatform(Platform):
+    name: ClassVar[str] = "cpu"
+    device_type: ClassVar[str] = "cpu"
+    preferred_attention_backends: ClassVar[list[str]] = ["sdpa"]
+    supported_dtypes: ClassVar[list[str]] = ["float32", "bfloat16", "float16"]
+    default_dtype: ClassVar[str] = "float32"
+
+    def kv_cache_memory_bytes(self, gpu_memory_utilization: float) -> int:
+        # gpu_memory_utilization has no meaning for host RAM; cap at a quarter of what is free.
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return _DEFAULT_CPU_KV_BYTES
+        return int(min(_DEFAULT_CPU_KV_BYTES, free // 4))

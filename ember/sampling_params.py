@@ -1,0 +1,114 @@
+"""SamplingParams: how one request is decoded, with vLLM's field names, meanings and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Decoding parameters of one request; invalid values raise ValueError naming the field.
+
+    Meanings follow vLLM: temperature 0 is greedy; top_k 0 or -1 disables top-k; top_p 1 disables
+    nucleus sampling; min_p 0 disables min-p; presence/frequency penalties act on generated tokens
+    (OpenAI's definition), repetition_penalty on prompt and generated tokens (CTRL's definition).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    # Filled by the engine: the tokenizer's eos ids and the request's own stop ids, combined.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy: the other sampling knobs have no effect, normalise them like vLLM does.
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise bad("temperature", "must be non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be -1 (disable), 0 (disable) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "must be greater than zero")
+        bad_max = not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        if self.max_tokens is not None and bad_max:
+            raise bad("max_tokens", "must be at least 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "must be greater than or equal to 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", "must be non-negative")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", "must be non-negative")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise bad("stop", "must contain only non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must contain only non-negative integers")
+        if self.stop and not self.detokenize:
+            raise ValueError("SamplingParams.stop strings need detokenize=True")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature == 0.0:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
+
+    def clone(self) -> SamplingParams:
+        import copy
+
+        return copy.deepcopy(self)

@@ -1,0 +1,212 @@
+"""ModelRunner: SchedulerOutput -> flat inputs -> attention metadata -> forward -> sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ember.attention_backends.base import AttentionBackend, AttentionMetadata
+from ember.config import ModelConfig
+from ember.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ember.worker.input_batch import CachedRequestState, FlatBatch, build_flat_batch
+
+logger = logging.getLogger("ember")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        attn_backend: type[AttentionBackend],
+        device: torch.device,
+        block_size: int,
+        show_progress: bool = True,
+    ) -> None:
+        self.model_config = model_config
+        self.attn_backend = attn_backend
+        self.device = device
+        self.dtype = _DTYPES[model_config.dtype]
+        self.block_size = block_size
+        self.show_progress = show_progress
+        self.states: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.model: torch.nn.Module | None = None
+        from ember.layers.sampler import Sampler
+
+        self.sampler = Sampler()
+
+    # ---- set-up ------------------------------------------------------------------------
+    def load_model(self) -> None:
+        from ember.models.loader import load_model
+        from ember.registry import ModelRegistry
+
+        cfg = self.model_config
+        model_cls = ModelRegistry.resolve(cfg.architecture)
+        weights = None
+        if cfg.is_gguf and cfg.load_format != "dummy":
+            from ember.models.loader.gguf import iter_gguf_weights
+
+            weights = iter_gguf_weights(cfg.path, cfg.hf_config)
+        self.model = load_model(
+            cfg.hf_config if cfg.is_gguf else cfg.path,
+            model_cls,
+            self.attn_backend,
+            self.dtype,
+            self.device,
+            cfg.load_format,
+            weights=weights,
+            show_progress=self.show_progress,
+        )
+
+    def kv_geometry(self) -> tuple[int, int, int]:
+        model = self.model
+        return model.num_layers, model.num_kv_heads, model.head_size  # type: ignore[union-attr]
+
+    def bytes_per_block(self) -> int:
+        num_layers, kv_heads, head_size = self.kv_geometry()
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * num_layers * self.block_size * kv_heads * head_size * itemsize
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        num_layers, kv_heads, head_size = self.kv_geometry()
+        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, kv_heads, head_size)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)
+        ]
+
+    # ---- one step ----------------------------------------------------------------------
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.states.pop(req_id, None)
+        for req_id in out.preempted_req_ids:
+            # Keep the generator so a resumed seeded request continues its random stream.
+            state = self.states.get(req_id)
+            if state is not None:
+                state.block_ids, state.num_computed_tokens = [], 0
+        for new in out.new_requests:
+            old = self.states.get(new.req_id)
+            generator = old.generator if old is not None else self._make_generator(new)
+            self.states[new.req_id] = CachedRequestState(
+                new.req_id,
+                list(new.prompt_token_ids),
+                list(new.output_token_ids),
+                new.sampling_params,
+                list(new.block_ids),
+                new.num_computed_tokens,
+                generator,
+            )
+        for cached in out.cached_requests:
+            state = self.states[cached.req_id]
+            state.block_ids = cached.block_ids
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _make_generator(self, new) -> torch.Generator | None:
+        seed = new.sampling_params.seed
+        if seed is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        return generator
+
+    def _metadata(self, batch: FlatBatch) -> AttentionMetadata:
+        def dev(array, dtype):
+            return torch.from_numpy(array).to(self.device, dtype, non_blocking=True)
+
+        metadata = AttentionMetadata(
+            num_actual_tokens=len(batch.input_ids),
+            slot_mapping=dev(batch.slot_mapping, torch.int64),
+            query_start_loc=dev(batch.query_start_loc, torch.int32),
+            seq_lens=dev(batch.seq_lens, torch.int32),
+            block_table=dev(batch.block_table, torch.int32),
+            max_query_len=int(batch.query_lens.max()),
+            max_seq_len=int(batch.seq_lens.max()),
+            query_start_loc_cpu=batch.query_start_loc.tolist(),
+            seq_lens_cpu=batch.seq_lens.tolist(),
+            num_decode_tokens=batch.num_decode_tokens,
+        )
+        return self.attn_backend.build_metadata(metadata)
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        from ember.layers.attention import ForwardContext
+
+        self._update_states(out)
+        result = ModelRunnerOutput()
+        if out.is_empty:
+            return result
+        batch = build_flat_batch(self.states, out.num_scheduled_tokens, self.block_size)
+        input_ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
+        positions = torch.from_numpy(batch.positions).to(self.device, non_blocking=True)
+        ctx = ForwardContext(attn_metadata=self._metadata(batch), kv_caches=self.kv_caches)
+        hidden = self.model(input_ids, positions, ctx)  # type: ignore[misc]
+        self._prompt_logprobs(batch, hidden, out, result)
+        if batch.sample_rows:
+            self._sample(batch, hidden, result)
+        for req_id, num in out.num_scheduled_tokens.items():
+            self.states[req_id].num_computed_tokens += num
+        return result
+
+    def _sample(self, batch: FlatBatch, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
+        from ember.layers.sampler import build_sampling_metadata
+
+        rows = [self.states[batch.req_ids[row]] for row in batch.sample_rows]
+        indices = torch.from_numpy(batch.logits_indices).to(self.device)
+        logits = self.model.compute_logits(hidden[indices])  # type: ignore[union-attr]
+        metadata = build_sampling_metadata(
+            [s.sampling_params for s in rows],
+            [s.output_token_ids for s in rows],
+            [s.prompt_token_ids for s in rows],
+            {i: s.generator for i, s in enumerate(rows) if s.generator is not None},
+            logits.shape[-1],
+            self.device,
+        )
+        sampled = self.sampler(logits, metadata)
+        token_ids = sampled.sampled_token_ids.tolist()  # the step's one device-to-host sync
+        lp = sampled.logprobs
+        if lp is not None:
+            lp_ids, lp_values, lp_ranks = (
+                lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.selected_token_ranks.tolist()
+            )
+        for i, state in enumerate(rows):
+            state.output_token_ids.append(token_ids[i])
+            result.sampled_token_ids[state.req_id] = token_ids[i]
+            num_lp = state.sampling_params.logprobs
+            if lp is not None and num_lp is not None:
+                keep = num_lp + 1
+                result.logprobs[state.req_id] = (
+                    lp_ids[i][:keep], lp_values[i][:keep], lp_ranks[i]
+                )
+
+    def _prompt_logprobs(
+        self, batch: FlatBatch, hidden: torch.Tensor, out: SchedulerOutput, result
+    ) -> None:
+        from ember.layers.sampler import compute_prompt_logprobs
+
+        for row, req_id in enumerate(batch.req_ids):
+            state = self.states[req_id]
+            k = state.sampling_params.prompt_logprobs
+            num_prompt = len(state.prompt_token_ids)
+            start = state.num_computed_tokens
+            if k is None or start >= num_prompt:
+                continue
+            # Hidden state at prompt position p predicts prompt token p + 1.
+            end = min(start + int(batch.query_lens[row]), num_prompt - 1)
+            entries: list[tuple[list[int], list[float], int]] = []
+            if end > start:
+                offset = int(batch.query_start_loc[row])
+                logits = self.model.compute_logits(  # type: ignore[union-attr]
+                    hidden[offset : offset + end - start]
+                )
+                targets = torch.tensor(
+                    state.prompt_token_ids[start + 1 : end + 1], device=self.device
+                )
+                lp = compute_prompt_logprobs(logits, targets, k)
+                ids, values, ranks = (
+                    lp.logprob_token_ids.tolist(), lp.logprobs.tolist(),
+                    lp.selected_token_ranks.tolist(),
+                )
+                entries = [(ids[j], values[j], ranks[j]) for j in range(end - start)]
+            result.prompt_logprobs[req_id] = entries
