@@ -80,6 +80,11 @@ def test_top_k_one_equals_greedy():
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
 
 
+def test_empty_batch():
+    out = Sampler()(torch.empty(0, V), _md([]))
+    assert out.sampled_token_ids.shape == (0,)
+
+
 def test_mixed_greedy_and_random_batch():
     torch.manual_seed(2)
     logits = torch.randn(4, 30)
@@ -214,6 +219,9 @@ def test_penalties_combined_and_per_row():
     # repetition first, then -0.5*count, then -0.3*present.
     assert out[0].tolist() == pytest.approx([1.0, -2.0 - 0.5 - 0.3, 0.5, 1.5 - 1.0 - 0.3, -4.0])
     assert out[1].tolist() == pytest.approx(LOGITS5)
+    # A hand-built metadata without the padded id tensors gives the same result.
+    md.output_ids_padded = md.prompt_ids_padded = None
+    assert torch.equal(apply_penalties(torch.tensor([LOGITS5, LOGITS5]), md), out)
 
 
 def test_penalty_changes_greedy_choice():
@@ -321,3 +329,51 @@ def test_sampling_params_normalisation():
     assert (p.top_p, p.top_k, p.min_p) == (1.0, -1, 0.0)
     assert SamplingParams(top_k=0).top_k == -1
     assert SamplingParams(stop="x").stop == ["x"]
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_forward_has_no_sync_and_seeds_match_cpu():
+    dev = torch.device("cuda")
+    vocab, batch = 1000, 6
+    torch.manual_seed(6)
+    logits = torch.randn(batch, vocab)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=11, logprobs=2),
+        SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[int(logits[1].argmax())]),
+        SamplingParams(temperature=1.2, top_k=20, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(temperature=0.7, min_p=0.05, frequency_penalty=0.4, seed=12),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=0.0),
+    ]
+    outputs = [[1, 2, 3], [4], [5, 5], [6], [], [7]]
+    prompts = [[9, 8]] * batch
+
+    def run(device, gens):
+        md = build_sampling_metadata(params, outputs, prompts, gens, vocab, device)
+        x = logits.to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # any device->host sync raises
+        try:
+            out = Sampler()(x, md)
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        return out.sampled_token_ids.cpu(), out.logprobs
+
+    # CPU generators used from a CUDA batch give the CPU batch's tokens on seeded rows.
+    cpu_tok, _ = run(torch.device("cpu"), {0: make_generator(11), 3: make_generator(12)})
+    cuda_tok, lp = run(dev, {0: make_generator(11), 3: make_generator(12)})
+    assert cuda_tok[[0, 3]].tolist() == cpu_tok[[0, 3]].tolist()
+    assert cuda_tok[1] != logits[1].argmax()  # min_tokens masked the stop id
+    assert cuda_tok[5] == logits[5].argmax()
+    assert torch.allclose(lp.logprobs.cpu(), torch.log_softmax(logits, -1).gather(
+        1, lp.logprob_token_ids.cpu()), atol=1e-5)
+    # CUDA generators: the same seed gives the same tokens twice.
+    a, _ = run(dev, {0: make_generator(11, dev), 3: make_generator(12, dev)})
+    b, _ = run(dev, {0: make_generator(11, dev), 3: make_generator(12, dev)})
+    assert a[[0, 3]].tolist() == b[[0, 3]].tolist()

@@ -147,7 +147,10 @@ class LLMEngine:
             child.prompt_logprobs = None
             if child.seed is not None:
                 child.seed = child.seed + index
+        # The sampler masks these while min_tokens is not reached (vLLM adds eos the same way).
         child.all_stop_token_ids = set(child.stop_token_ids)
+        if not child.ignore_eos:
+            child.all_stop_token_ids |= self.eos_token_ids
         return child
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:

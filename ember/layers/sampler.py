@@ -70,7 +70,8 @@ def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     if not md.min_tokens_stop_ids:
         return logits
     rows, cols = md.min_tokens_index or min_tokens_index(md.min_tokens_stop_ids, logits.device)
-    return logits.index_put((rows, cols), torch.tensor(float("-inf"), device=logits.device))
+    # new_full is a device fill; torch.tensor(..., device=cuda) would be a blocking copy.
+    return logits.index_put((rows, cols), logits.new_full((), float("-inf")))
 
 
 def _token_counts(padded: torch.Tensor, vocab_size: int) -> torch.Tensor:

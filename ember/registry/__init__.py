@@ -1,14 +1,130 @@
-"""The four registries (models, attention backends, quantization methods, platforms) and their
-built-in entries. Importing this module imports no model, backend or platform code."""
+"""The four registries (models, attention backends, quantization methods, platforms), their
+built-in entries, and the snapshot/restore hand-off to worker processes.
+
+Importing this module imports no model, backend, platform or plugin code. The first lookup or
+registration loads the installed plugins once (see ember.plugins), so plugin entries are there
+whenever anything is read, and user registrations come after plugins'.
+
+Worker processes: `snapshot()` in the parent gives a plain dict (JSON- and pickle-safe) of every
+entry, including classes registered as objects (recorded as "module:qualname"); `restore(snap)` in
+the worker installs that table and marks plugins as loaded, so workers never rediscover plugins.
+A class defined inside a function, or in an interactive `__main__` (REPL, notebook, `python -c`),
+cannot be imported by another process: its entry is marked in the snapshot and resolving it in
+the worker raises an ImportError saying why. A class defined at module level of a main script does
+work with multiprocessing's spawn start method (which re-imports the script as `__mp_main__`).
+"""
 
 from __future__ import annotations
 
-from ember.registry.base import Entry, LazyRegistry
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
-ModelRegistry: LazyRegistry = LazyRegistry("model architecture")
-AttentionBackendRegistry: LazyRegistry = LazyRegistry("attention backend")
-QuantizationRegistry: LazyRegistry = LazyRegistry("quantization method")
-PlatformRegistry: LazyRegistry = LazyRegistry("platform")
+from ember.registry.base import Entry, LazyRegistry, registering_as
+from ember.registry.capabilities import backend_caps
+
+SNAPSHOT_FORMAT = 1
+
+
+class ModelRegistryType(LazyRegistry[type]):
+    """HF architecture name (config.json "architectures") -> model class."""
+
+    def register_model(self, arch: str, model_cls: str | type, *, override: bool = False,
+                       **capabilities: Any) -> Entry:
+        """Register a model class, or its "module:Class" path (preferred: nothing is imported)."""
+        return self.register(arch, model_cls, capabilities=capabilities, override=override)
+
+    def get_supported_archs(self) -> list[str]:
+        return self.names()
+
+    def resolve_model_cls(self, architectures: str | list[str]) -> tuple[type, str]:
+        """The first registered architecture of `architectures`, and its class."""
+        archs = [architectures] if isinstance(architectures, str) else list(architectures)
+        for arch in archs:
+            if arch in self:
+                return self.resolve(arch), arch
+        raise ValueError(
+            f"model architectures {archs} are not supported; "
+            f"supported: {', '.join(self.get_supported_archs())}"
+        )
+
+
+class AttentionBackendRegistryType(LazyRegistry[type]):
+    """Backend name -> AttentionBackend subclass, with the capabilities selection reads."""
+
+    def normalize_capabilities(self, caps: dict[str, Any]) -> dict[str, Any]:
+        return backend_caps(caps)
+
+    def register_backend(
+        self,
+        name: str,
+        backend_cls: str | type,
+        *,
+        devices: list[str],
+        dtypes: list[str],
+        head_sizes: str | list[int] = "any",
+        sliding_window: bool = False,
+        cuda_graphs: bool = False,
+        priority: int = 0,
+        requires: list[str] | None = None,
+        env_devices: dict[str, list[str]] | None = None,
+        override: bool = False,
+    ) -> Entry:
+        caps = {"devices": list(devices), "dtypes": list(dtypes), "head_sizes": head_sizes,
+                "sliding_window": sliding_window, "cuda_graphs": cuda_graphs,
+                "priority": priority, "requires": list(requires or []),
+                "env_devices": dict(env_devices or {})}
+        return self.register(name, backend_cls, capabilities=caps, override=override)
+
+    def get_supported_backends(self) -> list[str]:
+        return self.names()
+
+
+class QuantizationRegistryType(LazyRegistry[type]):
+    """Quantization method name (vLLM's `quantization=` values) -> method class."""
+
+    def register_quantization_method(self, name: str, method_cls: str | type, *,
+                                     override: bool = False, **capabilities: Any) -> Entry:
+        return self.register(name, method_cls, capabilities=capabilities, override=override)
+
+    def get_supported_quantization_methods(self) -> list[str]:
+        return self.names()
+
+
+class PlatformRegistryType(LazyRegistry[type]):
+    """Platform name (what `device=` takes) -> Platform subclass.
+
+    Capability "probe": an optional "module:function" returning bool, so availability can be
+    checked without importing the platform class's module.
+    """
+
+    def normalize_capabilities(self, caps: dict[str, Any]) -> dict[str, Any]:
+        probe = caps.get("probe")
+        if probe is not None and (not isinstance(probe, str) or ":" not in probe):
+            raise ValueError(f"'probe' must be a 'module:function' string, got {probe!r}")
+        return caps
+
+    def register_platform(self, name: str, platform_cls: str | type, *, probe: str | None = None,
+                          override: bool = False, **capabilities: Any) -> Entry:
+        if probe is not None:
+            capabilities["probe"] = probe
+        return self.register(name, platform_cls, capabilities=capabilities, override=override)
+
+    def get_supported_platforms(self) -> list[str]:
+        return self.names()
+
+
+ModelRegistry = ModelRegistryType("model architecture")
+AttentionBackendRegistry = AttentionBackendRegistryType("attention backend")
+QuantizationRegistry = QuantizationRegistryType("quantization method")
+PlatformRegistry = PlatformRegistryType("platform")
+
+REGISTRIES: dict[str, LazyRegistry] = {
+    "models": ModelRegistry,
+    "attention_backends": AttentionBackendRegistry,
+    "quantization_methods": QuantizationRegistry,
+    "platforms": PlatformRegistry,
+}
 
 _BUILTIN_MODELS = {
     "LlamaForCausalLM": "ember.models.llama:LlamaForCausalLM",
@@ -16,29 +132,96 @@ _BUILTIN_MODELS = {
     "Qwen2ForCausalLM": "ember.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "ember.models.qwen3:Qwen3ForCausalLM",
 }
-_BUILTIN_BACKENDS = {
-    "sdpa": (
-        "ember.attention_backends.sdpa:SdpaBackend",
-        {"devices": ["cpu", "cuda"], "dtypes": ["float32", "float16", "bfloat16"],
-         "head_sizes": "any", "sliding_window": True, "cuda_graphs": False, "priority": 0},
-    ),
-    "triton": (
-        "ember.attention_backends.triton_backend:TritonBackend",
-        {"devices": ["cuda"], "dtypes": ["float32", "float16", "bfloat16"],
-         "head_sizes": [16, 32, 64, 128, 256], "sliding_window": True, "cuda_graphs": True,
-         "priority": 10},
-    ),
+_HALF = ["float16", "bfloat16"]
+_ALL = ["float32", "float16", "bfloat16"]
+_BUILTIN_BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
+    # The reference: any head size, any dtype, everywhere; last resort in every preference list.
+    "sdpa": ("ember.attention_backends.sdpa:SdpaBackend",
+             {"devices": ["cpu", "cuda"], "dtypes": _ALL, "head_sizes": "any",
+              "sliding_window": True, "cuda_graphs": False, "priority": 0}),
+    # On the CPU only under the Triton interpreter (CI runs the kernels that way).
+    "triton": ("ember.attention_backends.triton_backend:TritonBackend",
+               {"devices": ["cuda"], "dtypes": _ALL, "head_sizes": [16, 32, 64, 128, 256],
+                "sliding_window": True, "cuda_graphs": True, "priority": 10,
+                "requires": ["triton"], "env_devices": {"TRITON_INTERPRET=1": ["cpu"]}}),
+    "flashinfer": ("ember.attention_backends.flashinfer_backend:FlashInferBackend",
+                   {"devices": ["cuda"], "dtypes": _HALF, "head_sizes": [64, 128, 256],
+                    "sliding_window": False, "cuda_graphs": True, "priority": 20,
+                    "requires": ["flashinfer"]}),
 }
+_BUILTIN_QUANTIZATION: dict[str, str] = {}  # filled in as ember.quantization's methods land
 _BUILTIN_PLATFORMS = {
-    "cpu": "ember.platforms.cpu:CpuPlatform",
+    "cpu": ("ember.platforms.cpu:CpuPlatform", {"device_type": "cpu"}),
+    "cuda": ("ember.platforms.cuda:CudaPlatform",
+             {"device_type": "cuda", "probe": "ember.platforms.cuda:cuda_probe"}),
+    "rocm": ("ember.platforms.rocm:RocmPlatform",
+             {"device_type": "cuda", "probe": "ember.platforms.rocm:rocm_probe"}),
 }
 
 for _name, _target in _BUILTIN_MODELS.items():
     ModelRegistry.register(_name, _target, owner="ember")
 for _name, (_target, _caps) in _BUILTIN_BACKENDS.items():
     AttentionBackendRegistry.register(_name, _target, owner="ember", capabilities=_caps)
-for _name, _target in _BUILTIN_PLATFORMS.items():
-    PlatformRegistry.register(_name, _target, owner="ember")
+for _name, _target in _BUILTIN_QUANTIZATION.items():
+    QuantizationRegistry.register(_name, _target, owner="ember")
+for _name, (_target, _caps) in _BUILTIN_PLATFORMS.items():
+    PlatformRegistry.register(_name, _target, owner="ember", capabilities=_caps)
+
+
+def _load_plugins_once() -> None:
+    from ember.plugins.loader import load_plugins
+
+    load_plugins()
+
+
+LazyRegistry.before_read = _load_plugins_once
+
+
+def snapshot() -> dict[str, Any]:
+    """Every registry's entries and the plugin report, as plain data for a worker process."""
+    from ember.plugins.loader import load_plugins
+
+    report = load_plugins()
+    return {
+        "format": SNAPSHOT_FORMAT,
+        "registries": {kind: reg.export_entries() for kind, reg in REGISTRIES.items()},
+        "plugins": report.to_dict(),
+    }
+
+
+def restore(snap: dict[str, Any]) -> None:
+    """Install a parent's snapshot in this process; plugins are not rediscovered here."""
+    from ember.plugins.loader import adopt_report
+    from ember.plugins.report import PluginReport
+
+    if snap.get("format") != SNAPSHOT_FORMAT:
+        raise ValueError(f"registry snapshot format {snap.get('format')!r} is not "
+                         f"{SNAPSHOT_FORMAT}; parent and worker run different ember versions?")
+    adopt_report(PluginReport.from_dict(snap["plugins"]))
+    for kind, reg in REGISTRIES.items():
+        reg.import_entries(snap["registries"][kind])
+
+
+def save_state() -> dict[str, Any]:
+    """The registries' in-process state (entries and imported objects), for rollback/tests."""
+    return {kind: reg._save() for kind, reg in REGISTRIES.items()}
+
+
+def load_state(state: dict[str, Any]) -> None:
+    for kind, reg in REGISTRIES.items():
+        reg._load(state[kind])
+
+
+@contextmanager
+def isolated() -> Iterator[None]:
+    """Registrations made inside the block are undone at its end (for tests)."""
+    _load_plugins_once()  # else plugin entries loaded inside the block would be undone too
+    state = save_state()
+    try:
+        yield
+    finally:
+        load_state(state)
+
 
 __all__ = [
     "Entry",
@@ -47,4 +230,9 @@ __all__ = [
     "AttentionBackendRegistry",
     "QuantizationRegistry",
     "PlatformRegistry",
+    "REGISTRIES",
+    "registering_as",
+    "snapshot",
+    "restore",
+    "isolated",
 ]

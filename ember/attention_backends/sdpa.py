@@ -1,0 +1,267 @@
+"""The torch SDPA attention backend: the correctness reference and the CPU production backend.
+
+One step does three things, following the contract in ``base.py``:
+
+1. store the new keys/values into the paged cache at ``slot_mapping`` (slots < 0 are skipped);
+2. decodes (the leading ``num_decode_tokens`` requests, one query each) in ONE batched SDPA call:
+   every request's blocks are gathered into a padded ``[B, kv_heads, Lmax, D]`` tensor and a
+   boolean mask hides the padding (and keys outside the sliding window);
+3. prefill chunks one request at a time, causal with an offset (query i of a chunk of length q
+   sits at position ``seq_len - q + i``).
+
+Per-step work that every layer would repeat (block ids to gather, masks) is computed once per
+step and kept in ``metadata.backend_data`` (a ``SdpaPlan``), keyed by block size and window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ember.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
+
+# Gathered decode K/V can be tens of MB per layer; a fresh allocation that large is an mmap
+# whose pages fault in on every layer, which costs as much as the copy itself on the CPU.
+# Layers run one after another, so one grow-only buffer per (device, dtype) serves them all.
+_WORKSPACES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (device, dtype)
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _WORKSPACES[key] = buf
+    return buf[:numel]
+
+
+@dataclass
+class _DecodePlan:
+    block_ids: torch.Tensor  # [B * blocks_per_req] int64, the blocks to gather, request-major
+    blocks_per_req: int
+    mask: torch.Tensor  # [B, 1, 1, blocks_per_req * block_size] bool, True = key visible
+
+
+@dataclass
+class _PrefillReq:
+    req: int
+    q_start: int
+    q_end: int
+    seq_len: int
+
+
+@dataclass
+class SdpaPlan:
+    """Step-level data shared by every layer; the per-layer parts are built on first use."""
+
+    metadata: AttentionMetadata
+    write_slots: torch.Tensor  # [n_valid] int64 cache slots of the new tokens
+    write_rows: torch.Tensor | None  # rows of key/value to store; None = rows 0..n_valid-1
+    prefills: list[_PrefillReq]
+    _decode: dict[tuple[int, int | None], _DecodePlan] = field(default_factory=dict)
+    _blocks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, md: AttentionMetadata) -> SdpaPlan:
+        slots = md.slot_mapping[: md.num_actual_tokens].long()
+        valid = slots >= 0
+        rows = None
+        if not bool(valid.all()):
+            rows = valid.nonzero().squeeze(1)
+            slots = slots.index_select(0, rows)
+        qsl = md.query_start_loc_cpu
+        num_decode_reqs = md.num_decode_tokens  # one token per decode request
+        prefills = [
+            _PrefillReq(i, qsl[i], qsl[i + 1], md.seq_lens_cpu[i])
+            for i in range(num_decode_reqs, md.num_reqs)
+            if qsl[i + 1] > qsl[i]
+        ]
+        return cls(md, slots, rows, prefills)
+
+    def decode_plan(self, block_size: int, window: int | None) -> _DecodePlan:
+        key = (block_size, window)
+        if key not in self._decode:
+            self._decode[key] = self._build_decode(block_size, window)
+        return self._decode[key]
+
+    def _build_decode(self, block_size: int, window: int | None) -> _DecodePlan:
+        md = self.metadata
+        num = md.num_decode_tokens
+        seq_cpu = md.seq_lens_cpu[:num]
+        seq = md.seq_lens[:num].long()
+        device = seq.device
+        if window is None:
+            first = torch.zeros_like(seq)
+            nb = max((s + block_size - 1) // block_size for s in seq_cpu)
+        else:
+            # With a window only the blocks holding the last `window` keys are read.
+            first = (seq - window).clamp(min=0) // block_size
+            nb = max(
+                (s + block_size - 1) // block_size - max(s - window, 0) // block_size
+                for s in seq_cpu
+            )
+        cols = first[:, None] + torch.arange(nb, device=device)[None]
+        table = md.block_table[:num]
+        # Columns past a request's last block read a harmless block (table padding, clamped to
+        # be a valid id) whose keys the mask hides, as their positions are >= seq_len.
+        ids = table.gather(1, cols.clamp(max=table.shape[1] - 1)).long().clamp(min=0)
+        kpos = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
+        mask = kpos < seq[:, None]
+        if window is not None:
+            mask &= kpos >= (seq - window)[:, None]
+        return _DecodePlan(ids.flatten(), nb, mask[:, None, None])
+
+    def context_blocks(self, p: _PrefillReq, block_size: int) -> torch.Tensor:
+        key = (p.req, block_size)
+        if key not in self._blocks:
+            nb = (p.seq_len + block_size - 1) // block_size
+            self._blocks[key] = self.metadata.block_table[p.req, :nb].long()
+        return self._blocks[key]
+
+    def prefill_mask(self, p: _PrefillReq, window: int | None) -> torch.Tensor | None:
+        """[q_len, seq_len] bool mask, or None when plain causal (is_causal) is exact."""
+        q_len = p.q_end - p.q_start
+        if q_len == p.seq_len and window is None:
+            return None
+        key = (p.req, window)
+        if key not in self._masks:
+            device = self.metadata.seq_lens.device
+            qpos = torch.arange(p.seq_len - q_len, p.seq_len, device=device)[:, None]
+            kpos = torch.arange(p.seq_len, device=device)[None]
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= (qpos - kpos) < window
+            self._masks[key] = mask
+        return self._masks[key]
+
+
+def _attend(
+    q: torch.Tensor,  # [..., Hq, Lq, D]
+    k: torch.Tensor,  # [..., Hkv, Lk, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+            enable_gqa=q.shape[-3] != k.shape[-3],
+        )
+    # SDPA has no soft-capping: spell the attention out (rarely used, so kept simple).
+    rep = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    s = soft_cap * torch.tanh(s / soft_cap)
+    if is_causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(s.softmax(-1).to(v.dtype), v)
+
+
+class SdpaImpl(AttentionImpl):
+    """Paged attention through ``torch.nn.functional.scaled_dot_product_attention``."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        plan = metadata.backend_data
+        if not isinstance(plan, SdpaPlan):
+            # The runner did not call build_metadata: build once and share with later layers.
+            plan = SdpaPlan.build(metadata)
+            metadata.backend_data = plan
+        n = metadata.num_actual_tokens
+        out = query.new_empty(query.shape[0], self.num_heads * self.head_size)
+        out[n:] = 0  # padding rows: defined values are cheaper to debug than garbage
+        self._store_kv(key, value, kv_cache, plan)
+        if metadata.num_decode_tokens > 0:
+            self._decode(query, kv_cache, plan, out)
+        for p in plan.prefills:
+            self._prefill(query, key, value, kv_cache, plan, p, out)
+        return out
+
+    def _store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: SdpaPlan
+    ) -> None:
+        n = plan.write_slots.shape[0]
+        if n == 0:
+            return
+        # .view (not reshape) so that a non-contiguous cache fails loudly instead of writing
+        # into a temporary copy.
+        flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
+        rows = plan.write_rows
+        k = key[:n] if rows is None else key.index_select(0, rows)
+        v = value[:n] if rows is None else value.index_select(0, rows)
+        flat[0].index_copy_(0, plan.write_slots, k.to(flat.dtype))
+        flat[1].index_copy_(0, plan.write_slots, v.to(flat.dtype))
+
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: SdpaPlan, out: torch.Tensor
+    ) -> None:
+        num = plan.metadata.num_decode_tokens
+        _, num_blocks, block_size, kvh, d = kv_cache.shape
+        dp = plan.decode_plan(block_size, self.sliding_window)
+        per_block = block_size * kvh * d
+        ws = _workspace(2 * dp.block_ids.numel() * per_block, kv_cache.dtype, kv_cache.device)
+        ws = ws.view(2, dp.block_ids.numel(), per_block)
+        torch.index_select(kv_cache.view(2, num_blocks, per_block), 1, dp.block_ids, out=ws)
+        kv = ws.view(2, num, dp.blocks_per_req * block_size, kvh, d).transpose(2, 3)
+        kv = kv.to(query.dtype)
+        # GQA by folding each kv head's query group into the query-length axis: one MHA call
+        # with kv_heads heads and `group` queries, which beats enable_gqa's broadcast on CPU.
+        group = self.num_heads // kvh
+        q = query[:num].view(num, kvh, group, d)
+        o = _attend(q, kv[0], kv[1], dp.mask, False, self.scale, self.logits_soft_cap)
+        out[:num] = o.reshape(num, self.num_heads * d)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: SdpaPlan,
+        p: _PrefillReq,
+        out: torch.Tensor,
+    ) -> None:
+        q_len = p.q_end - p.q_start
+        q = query[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        if q_len == p.seq_len and kv_cache.dtype == key.dtype:
+            # No earlier context: the keys are exactly this step's, no need to read the cache.
+            k, v = key[p.q_start : p.q_end], value[p.q_start : p.q_end]
+        else:
+            block_size = kv_cache.shape[2]
+            blocks = plan.context_blocks(p, block_size)
+            kv = kv_cache.index_select(1, blocks).flatten(1, 2)[:, : p.seq_len]
+            k, v = kv[0].to(query.dtype), kv[1].to(query.dtype)
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, KVH, seq_len, D]
+        v = v.transpose(0, 1).unsqueeze(0)
+        mask = plan.prefill_mask(p, self.sliding_window)
+        o = _attend(q, k, v, mask, mask is None, self.scale, self.logits_soft_cap)
+        out[p.q_start : p.q_end] = o[0].transpose(0, 1).reshape(q_len, -1)
+
+
+class SdpaBackend(AttentionBackend):
+    """Reference backend: exact, portable (any torch device), and the fast path on CPUs."""
+
+    name = "sdpa"
+    supports_cuda_graphs = False
+
+    @classmethod
+    def impl_cls(cls) -> type[AttentionImpl]:
+        return SdpaImpl
+
+    @classmethod
+    def build_metadata(cls, metadata: AttentionMetadata) -> AttentionMetadata:
+        metadata.backend_data = SdpaPlan.build(metadata)
+        return metadata

@@ -1,0 +1,156 @@
+"""The "triton" attention backend: Triton KV store, paged decode (split-KV) and paged prefill.
+
+A step's batch has its decode requests first (``num_decode_tokens`` of them, one token each);
+they go to the split-KV decode kernel, the rest (prefills, chunked continuations, prefix hits) to
+the prefill kernel. Everything in ``forward`` is graph-safe: no host syncs, and the only
+allocations have sizes fixed by the batch shape (the split workspace is persistent and sized for
+the largest graph batch once ``prepare_graph_capture`` has run).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from ember.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TritonImpl(AttentionImpl):
+    """Per-layer attention through the Triton kernels in ``triton_ops``."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap
+        )
+        # Imported here so that listing or resolving backends never imports triton.
+        from ember.attention_backends import triton_ops
+
+        self._ops = triton_ops
+        self._graph_need: tuple[int, int] = (0, 0)  # (graph max batch, workspace numel for it)
+
+    def _decode_splits(self, batch: int, max_seq_len: int | None, device: torch.device) -> int:
+        from ember.attention_backends.triton_ops.common import num_sms
+        from ember.attention_backends.triton_ops.decode import default_config
+
+        index = (device.index or 0) if device.type == "cuda" else None
+        cfg = default_config(self.head_size)
+        return self._ops.choose_num_splits(batch, self.num_kv_heads, max_seq_len, cfg,
+                                           num_sms(index))
+
+    def _workspace(self, batch: int, num_splits: int, device: torch.device) -> torch.Tensor | None:
+        if num_splits == 1:
+            return None
+        numel = self._ops.decode_workspace_numel
+        need = numel(batch, self.num_heads, self.head_size, num_splits)
+        graph_batch = TritonBackend.graph_max_batch_size
+        if graph_batch and self._graph_need[0] != graph_batch:
+            # Size once for every graph batch size, so capture never has to grow the buffer.
+            most = max(
+                numel(b, self.num_heads, self.head_size, self._decode_splits(b, None, device))
+                for b in range(1, graph_batch + 1)
+            )
+            self._graph_need = (graph_batch, most)
+        if graph_batch:
+            need = max(need, self._graph_need[1])
+        return TritonBackend.workspace(need, device)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        import torch
+
+        ops = self._ops
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_size)
+        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        ops.store_kv(k, v, kv_cache, metadata.slot_mapping)
+
+        out = torch.empty(
+            num_tokens, self.num_heads * self.head_size, dtype=query.dtype, device=query.device
+        )
+        out3 = out.view(num_tokens, self.num_heads, self.head_size)
+        num_decodes = metadata.num_decode_tokens
+        num_reqs = metadata.num_reqs
+        window = self.sliding_window
+        cap = self.logits_soft_cap
+        if num_decodes > 0:
+            graph_batch = TritonBackend.graph_max_batch_size
+            # Pure-decode batches may be graph captured: choose splits from the batch alone so
+            # the captured grid stays good for whatever lengths the replays bring.
+            graphable = num_reqs == num_decodes and num_decodes <= graph_batch
+            max_seq_len = None if graphable else metadata.max_seq_len
+            splits = self._decode_splits(num_decodes, max_seq_len, query.device)
+            ops.paged_decode_attention(
+                q[:num_decodes],
+                kv_cache,
+                metadata.seq_lens[:num_decodes],
+                metadata.block_table[:num_decodes],
+                self.scale,
+                window,
+                out3[:num_decodes],
+                num_splits=splits,
+                logits_soft_cap=cap,
+                workspace=self._workspace(num_decodes, splits, query.device),
+            )
+        if num_reqs > num_decodes:
+            # query_start_loc holds absolute token offsets, so slicing it keeps pointing at the
+            # prefill tokens of the full q/out tensors.
+            ops.paged_prefill_attention(
+                q,
+                kv_cache,
+                metadata.query_start_loc[num_decodes:],
+                metadata.seq_lens[num_decodes:],
+                metadata.block_table[num_decodes:],
+                metadata.max_query_len,
+                self.scale,
+                window,
+                out3,
+                logits_soft_cap=cap,
+            )
+        return out
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention in Triton; works under CUDA graphs (decode) and TRITON_INTERPRET=1."""
+
+    name: ClassVar[str] = "triton"
+    supports_cuda_graphs: ClassVar[bool] = True
+    graph_max_batch_size: ClassVar[int] = 0
+    # One split workspace per device, shared by all layers (they run one after another).
+    _workspaces: ClassVar[dict[str, torch.Tensor]] = {}
+
+    @classmethod
+    def impl_cls(cls) -> type[AttentionImpl]:
+        return TritonImpl
+
+    @classmethod
+    def prepare_graph_capture(cls, max_batch_size: int, max_blocks_per_req: int, device) -> None:
+        cls.graph_max_batch_size = max(cls.graph_max_batch_size, max_batch_size)
+
+    @classmethod
+    def workspace(cls, numel: int, device: torch.device) -> torch.Tensor:
+        """A persistent fp32 buffer of at least ``numel`` elements (grown, never shrunk)."""
+        import torch
+
+        key = str(device)
+        buf = cls._workspaces.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=torch.float32, device=device)
+            cls._workspaces[key] = buf
+        return buf

@@ -1,0 +1,1 @@
+"""Benchmarks behind `ember bench` (throughput, latency, serve)."""

@@ -1,0 +1,176 @@
+"""`ember bench throughput`: offline throughput of ember vs HF transformers on the same weights.
+
+Runs in one process: ember's batched throughput and single-stream decode, then (unless
+--no-baseline) HF transformers `generate` on the same weights, batched with left padding, and its
+single-stream decode. Prints a table and, with --out, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform as host_platform
+import subprocess
+import time
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def run_ember(ns, workload) -> tuple[dict, object]:
+    from ember import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        ns.model, load_format=ns.load_format, dtype=ns.dtype, max_model_len=ns.max_model_len,
+        enforce_eager=ns.enforce_eager, attention_backend=ns.attention_backend,
+        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+        skip_tokenizer_init=ns.load_format == "dummy", gpu_memory_utilization=ns.gpu_memory_utilization,
+        enable_prefix_caching=not ns.no_prefix_caching,
+    )
+    startup = time.perf_counter() - start
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        for n in workload.output_lens
+    ]
+    # Warm-up (kernels, allocator) on a short slice of the workload.
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not ns.no_tqdm)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert generated == workload.num_output_tokens, "ember generated fewer tokens than asked"
+    # Single stream: one request, decode only (time per token after the first).
+    single = SamplingParams(max_tokens=ns.single_output_len, ignore_eos=True, detokenize=False)
+    out = llm.generate([prompts[0]], single, use_tqdm=False)[0]
+    metrics = out.metrics
+    decode_time = metrics.last_token_time - metrics.first_token_time
+    single_tps = (len(out.outputs[0].token_ids) - 1) / decode_time
+    engine = llm.llm_engine
+    return {
+        "startup_s": startup,
+        "elapsed_s": elapsed,
+        "output_tok_s": generated / elapsed,
+        "total_tok_s": (generated + workload.num_prompt_tokens) / elapsed,
+        "single_stream_decode_tok_s": single_tps,
+        "kv_cache_tokens": engine.num_total_blocks() * engine.args.block_size,
+        "num_preemptions": engine.scheduler.num_preemptions,
+    }, llm
+
+
+def run_hf(ns, workload, llm) -> dict:
+    """HF transformers generate with the weights ember loaded (same tensors, HF's model code)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    engine = llm.llm_engine
+    cfg = engine.model_config
+    dtype = engine.executor.runner.dtype
+    device = engine.executor.runner.device
+    hf_config = cfg.hf_config
+    hf_config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype).to(device).eval()
+    if ns.load_format != "dummy":
+        from ember.bench.hf_weights import ember_weights_for_hf
+
+        model.load_state_dict(ember_weights_for_hf(cfg), strict=False)
+    n = min(ns.hf_num_requests, len(workload.prompts))
+    prompts = workload.prompts[:n]
+    out_len = min(ns.hf_output_len, min(workload.output_lens[:n]))
+    max_len = max(len(p) for p in prompts)
+    pad = 0
+    ids = torch.tensor([[pad] * (max_len - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (max_len - len(p)) + [1] * len(p) for p in prompts], device=device)
+    gen_kwargs = dict(do_sample=False, min_new_tokens=out_len, max_new_tokens=out_len,
+                      pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(ids[:1, :8], attention_mask=mask[:1, :8], max_new_tokens=2, do_sample=False,
+                       pad_token_id=pad)  # warm-up
+        _sync(str(device))
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=mask, **gen_kwargs)
+        _sync(str(device))
+        elapsed = time.perf_counter() - start
+        steps = ns.single_output_len
+        one = ids[:1, -len(prompts[0]):]
+        t0 = time.perf_counter()
+        model.generate(one, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=pad)
+        _sync(str(device))
+        t1 = time.perf_counter()
+        model.generate(one, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                       pad_token_id=pad)
+        _sync(str(device))
+        t2 = time.perf_counter()
+    return {
+        "num_requests": n,
+        "output_len": out_len,
+        "elapsed_s": elapsed,
+        "output_tok_s": n * out_len / elapsed,
+        "single_stream_decode_tok_s": (steps - 1) / ((t2 - t1) - (t1 - t0)),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, nargs="+", default=[128],
+                        help="one length, or LO HI for uniform lengths")
+    parser.add_argument("--output-len", type=int, nargs="+", default=[128])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--single-output-len", type=int, default=64)
+    parser.add_argument("--no-baseline", action="store_true", help="skip HF transformers")
+    parser.add_argument("--hf-num-requests", type=int, default=64)
+    parser.add_argument("--hf-output-len", type=int, default=128)
+    parser.add_argument("--no-tqdm", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def _span(values: list[int]) -> tuple[int, int]:
+    return (values[0], values[-1]) if len(values) > 1 else (values[0], values[0])
+
+
+def main(ns: argparse.Namespace) -> int:
+    from ember.bench.workloads import random_workload
+
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "commit": _git_commit(),
+                    "machine": host_platform.processor() or host_platform.machine(),
+                    "args": vars(ns).copy()}
+    result["args"].pop("func", None)
+    from ember.config import load_hf_config, resolve_model_path
+
+    vocab = load_hf_config(resolve_model_path(ns.model))[0].vocab_size
+    workload = random_workload(ns.num_prompts, _span(ns.input_len), _span(ns.output_len), vocab,
+                               ns.seed)
+    result["ember"], llm = run_ember(ns, workload)
+    if not ns.no_baseline:
+        result["hf"] = run_hf(ns, workload, llm)
+        result["ratio_throughput"] = result["ember"]["output_tok_s"] / result["hf"]["output_tok_s"]
+        result["ratio_single_stream"] = (
+            result["ember"]["single_stream_decode_tok_s"] / result["hf"]["single_stream_decode_tok_s"]
+        )
+    print(json.dumps(result, indent=2, default=str))
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return 0

@@ -1,0 +1,241 @@
+"""`ember plugins`: what is installed, who provides it, and what would be chosen and why.
+
+    ember plugins                       every plugin (with its load status and error) and every
+                                        model, attention backend, quantization method, platform
+    ember plugins --check               also import each entry and report import errors
+    ember plugins --json                the same as data
+    ember plugins --explain [--model PATH_OR_ARCH] [--device X] [--dtype D] [--attention-backend B]
+                                        the platform and attention backend that would be chosen
+
+The listing imports neither torch nor any plugin module beyond its registration module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+_TITLES = {"models": "Models", "attention_backends": "Attention backends",
+           "quantization_methods": "Quantization methods", "platforms": "Platforms"}
+
+
+def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plugins", help="list plugins and registries; --explain the platform/backend choice",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--explain", action="store_true",
+                        help="say which platform and attention backend would be chosen, and why")
+    parser.add_argument("--model", default=None,
+                        help="with --explain: an HF directory, a .gguf file or an architecture")
+    parser.add_argument("--device", default=None, help="with --explain: a platform name")
+    parser.add_argument("--dtype", default="auto", help="with --explain: the model dtype")
+    parser.add_argument("--head-size", type=int, default=None,
+                        help="with --explain and an architecture name: the head size")
+    parser.add_argument("--attention-backend", default=None,
+                        help="with --explain: an attention backend override to check")
+    parser.add_argument("--check", action="store_true",
+                        help="also import every entry (imports torch) and report failures")
+    parser.add_argument("--json", action="store_true", help="print the listing as JSON")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="print failed plugins' full tracebacks")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _ember_version() -> str:
+    import ember
+
+    return str(getattr(ember, "__version__", "dev"))
+
+
+def _provider(entry: Any, version: str) -> str:
+    return f"ember {version}" if entry.builtin else entry.provider
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in rows]
+
+
+def _caps_text(kind: str, caps: dict[str, Any]) -> str:
+    if kind == "attention_backends":
+        heads = caps["head_sizes"] if caps["head_sizes"] == "any" else \
+            ",".join(map(str, caps["head_sizes"]))
+        extra = [f for f in ("sliding_window", "cuda_graphs") if caps.get(f)]
+        dtypes = "/".join(d.replace("float", "f") for d in caps["dtypes"])
+        return (f"{'/'.join(caps['devices'])} {dtypes} heads={heads} prio={caps['priority']}"
+                + (f" +{'+'.join(extra)}" if extra else ""))
+    return " ".join(f"{k}={v}" for k, v in caps.items() if k != "probe")
+
+
+def _import_status(reg: Any, name: str) -> str:
+    try:
+        reg.resolve(name)
+    except Exception as exc:  # the point is to report it
+        return f"IMPORT ERROR: {type(exc).__name__}: {exc}".splitlines()[0]
+    return "imports ok"
+
+
+def listing(check: bool = False, verbose: bool = False) -> list[str]:
+    from ember.plugins import load_plugins
+    from ember.registry import REGISTRIES
+
+    report = load_plugins()
+    version = _ember_version()
+    out = [f"ember {version}; plugins (entry-point group 'ember.plugins'): {report.summary()}"]
+    if report.allowlist is not None:
+        out.append(f"  EMBER_PLUGINS={','.join(report.allowlist)!r}")
+    if report.plugins:
+        rows = [["PLUGIN", "DISTRIBUTION", "STATUS", "REGISTERED / ERROR"]]
+        for p in report.plugins:
+            detail = p.error if p.error else ", ".join(p.registered) or "-"
+            rows.append([p.name, p.provider, p.status.upper() if p.error else p.status, detail])
+        out += _table(rows)
+        for p in report.plugins:
+            out += [f"  warning: {p.name}: {w}" for w in p.warnings]
+            if verbose and p.traceback:
+                out += ["", f"  traceback of {p.name}:"] + \
+                    ["    " + line for line in p.traceback.rstrip().splitlines()]
+    for kind, reg in REGISTRIES.items():
+        entries = reg.entries()
+        out += ["", f"{_TITLES[kind]} ({len(entries)})"]
+        if not entries:
+            out.append("  (none)")
+            continue
+        rows = [["NAME", "PROVIDED BY", "TARGET", "DECLARES"] + (["STATUS"] if check else [])]
+        for e in entries:
+            provider = _provider(e, version)
+            if e.overrides:
+                provider += f" (overrides {e.overrides})"
+            row = [e.name, provider, e.target, _caps_text(kind, e.capabilities)]
+            if check:
+                row.append(_import_status(reg, e.name))
+            rows.append(row)
+        out += _table(rows)
+    return out
+
+
+def listing_json() -> dict[str, Any]:
+    from ember.registry import snapshot
+
+    snap = snapshot()
+    return {"ember_version": _ember_version(), "plugins": snap["plugins"],
+            "registries": snap["registries"]}
+
+
+def _model_facts(model: str | None, head_size: int | None) -> tuple[dict[str, Any], list[str]]:
+    """arch, config dtype, head size and sliding window of --model, read without torch."""
+    from types import SimpleNamespace
+
+    from ember.registry import ModelRegistry
+
+    notes: list[str] = []
+    cfg: Any = None
+    if model is None:
+        try:
+            from ember.config import resolve_model_path
+
+            model = resolve_model_path(None)
+            notes.append(f"model: the embedded default ({model})")
+        except Exception as exc:
+            notes.append(f"model: none given and the default is not available ({exc})")
+    if model and model.endswith(".gguf") and os.path.isfile(model):
+        from ember.models.loader.gguf import gguf_hf_config
+
+        cfg = gguf_hf_config(model)
+    elif model and os.path.isdir(model):
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = SimpleNamespace(**json.load(f))
+    elif model:
+        if model not in ModelRegistry:
+            raise ValueError(f"--model {model!r} is neither a model directory, a .gguf file nor a "
+                             f"registered architecture ({', '.join(ModelRegistry.names())})")
+        cfg = SimpleNamespace(architectures=[model])
+    archs = list(getattr(cfg, "architectures", None) or [])
+    heads = getattr(cfg, "num_attention_heads", None)
+    size = head_size or getattr(cfg, "head_dim", None) or (
+        cfg.hidden_size // heads if heads and getattr(cfg, "hidden_size", None) else None)
+    if size is None:
+        size = 64
+        notes.append("head size unknown (give --head-size or a model path): assuming 64")
+    window = getattr(cfg, "sliding_window", None)
+    use_window = bool(window) and getattr(cfg, "use_sliding_window", True) is not False
+    return {"archs": archs, "config": cfg or SimpleNamespace(), "head_size": int(size),
+            "sliding_window": use_window}, notes
+
+
+def explain(model: str | None, device: str | None, dtype: str, head_size: int | None,
+            backend: str | None) -> tuple[list[str], bool]:
+    """Lines saying what would be chosen and why; False when something would fail."""
+    from ember.attention_backends.selector import rank_attention_backends
+    from ember.config import resolve_dtype
+    from ember.platforms import choose_platform
+    from ember.registry import ModelRegistry, PlatformRegistry
+
+    out: list[str] = []
+    ok = True
+    facts, notes = _model_facts(model, head_size)
+    out += notes
+    arch = next((a for a in facts["archs"] if a in ModelRegistry), None)
+    if facts["archs"]:
+        if arch is None:
+            out.append(f"model: architectures {facts['archs']} are NOT supported")
+            return out, False
+        entry = ModelRegistry.entry(arch)
+        out.append(f"model: {arch} -> {entry.target} ({entry.provider})")
+    out += ["", "Platform:"]
+    try:
+        name, _, why = choose_platform(device)
+    except ValueError as exc:
+        out.append(f"  error: {exc}")
+        requested = (device or "").partition(":")[0]
+        if requested not in PlatformRegistry:
+            return out, False
+        # Still useful to plugin authors: what would be chosen on that platform.
+        name, why = requested, [f"explaining as if platform {requested} were available"]
+        ok = False
+    out += ["  " + line for line in why]
+    platform = PlatformRegistry.resolve(name)()
+    try:
+        chosen_dtype = resolve_dtype(dtype, facts["config"], platform)
+    except ValueError as exc:
+        return out + [f"  error: {exc}"], False
+    out += ["", f"Attention backend (dtype {chosen_dtype}"
+                + (" from --dtype" if dtype != "auto" else f", {name}'s default for dtype=auto")
+                + "):"]
+    try:
+        _, why = rank_attention_backends(
+            platform, dtype=chosen_dtype, head_size=facts["head_size"],
+            sliding_window=facts["sliding_window"], override=backend,
+        )
+    except ValueError as exc:
+        return out + ["  error: " + str(exc).replace("\n", "\n  ")], False
+    return out + ["  " + line for line in why], ok
+
+
+def run(ns: argparse.Namespace) -> int:
+    if ns.explain:
+        lines, ok = explain(ns.model, ns.device, ns.dtype, ns.head_size, ns.attention_backend)
+        print("\n".join(lines))
+        return 0 if ok else 1
+    if ns.json:
+        print(json.dumps(listing_json(), indent=2))
+        return 0
+    print("\n".join(listing(check=ns.check, verbose=ns.verbose)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ember")
+    add_subparser(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(["plugins", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The model-side attention layer and the per-step ForwardContext that feeds it.
+
+Models never see backends directly: each ``Attention`` builds its backend impl once, and at run
+time picks its own KV-cache tensor (by layer index) and the step's metadata from the
+``ForwardContext`` the model runner passes down through ``model.forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ember.attention_backends.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    """What one forward pass needs besides the token ids and positions."""
+
+    attn_metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]  # one per layer, in layer order (backend.kv_cache_shape)
+
+
+class Attention(nn.Module):
+    """Paged attention of one layer: stores this step's K/V and attends through the backend."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        layer_idx: int,
+        attn_backend: type[AttentionBackend],
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.backend = attn_backend
+        self.impl = attn_backend.impl_cls()(
+            num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """q: [T, num_heads(*head_size)], k/v: [T, num_kv_heads(*head_size)] -> [T, H * D]."""
+        t = q.shape[0]
+        return self.impl.forward(
+            q.view(t, self.num_heads, self.head_size),
+            k.view(t, self.num_kv_heads, self.head_size),
+            v.view(t, self.num_kv_heads, self.head_size),
+            ctx.kv_caches[self.layer_idx],
+            ctx.attn_metadata,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"head_size={self.head_size}, backend={self.backend.name or self.backend.__name__}, "
+            f"sliding_window={self.sliding_window}"
+        )

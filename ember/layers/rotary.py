@@ -1,0 +1,109 @@
+"""Rotary position embeddings with HF transformers' conventions (rotate_half, not interleaved).
+
+Scaling types: "default", "linear" and "llama3" (Llama 3.1). Settings come from
+``config.rope_parameters`` (transformers 5) or ``config.rope_theta`` + ``config.rope_scaling``
+(transformers 4). cos/sin are computed once per forward from the positions, in float32 exactly as
+HF does, and shared by every layer; there is no position table, so no max-length limit and no
+buffer to move between devices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+_SUPPORTED = ("default", "linear", "llama3")
+
+
+def rope_settings(config: Any) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling dict with at least "rope_type") from an HF config of either era."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params and "rope_theta" not in params:
+        # Per-layer-type settings ({"full_attention": {...}, ...}): these models use one kind.
+        nested = [v for v in params.values() if isinstance(v, dict)]
+        params = params.get("full_attention", nested[0] if nested else params)
+    if not isinstance(params, dict) or not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling = dict(params)
+    scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+    return float(theta), scaling
+
+
+def _inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    # Same expression as HF (int64 arange cast to float32), so the frequencies are identical.
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (theta ** (exponents / rotary_dim))
+    kind = scaling["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"unsupported rope_type {kind!r}; supported: {', '.join(_SUPPORTED)}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first ``rotary_dim`` dims of each head; the rest pass through."""
+
+    def __init__(
+        self, head_size: int, theta: float, scaling: dict[str, Any] | None = None,
+        rotary_dim: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim or head_size
+        scaling = dict(scaling or {})
+        scaling.setdefault("rope_type", "default")
+        # A plain attribute, not a buffer: models are built on the meta device and materialised
+        # with to_empty(), which would leave a buffer uninitialised. Moved lazily per device.
+        self._inv_freq = _inv_freq(self.rotary_dim, theta, scaling)
+        self._per_device: dict[torch.device, torch.Tensor] = {}
+
+    @classmethod
+    def from_config(cls, config: Any, head_size: int) -> RotaryEmbedding:
+        theta, scaling = rope_settings(config)
+        partial = scaling.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1))
+        return cls(head_size, theta, scaling, int(head_size * (partial or 1.0)))
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape [T, 1, rotary_dim // 2] (broadcast over heads), in ``dtype``."""
+        inv = self._per_device.get(positions.device)
+        if inv is None:
+            inv = self._per_device.setdefault(positions.device, self._inv_freq.to(positions.device))
+        freqs = positions.float()[:, None] * inv
+        return freqs.cos().to(dtype)[:, None], freqs.sin().to(dtype)[:, None]
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_size]. Equals HF's ``x * cos + rotate_half(x) * sin``."""
+        half = self.rotary_dim // 2
+        x1, x2 = x[..., :half], x[..., half : self.rotary_dim]
+        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        if self.rotary_dim < self.head_size:
+            parts.append(x[..., self.rotary_dim :])
+        return torch.cat(parts, dim=-1)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return self.apply(q, cos, sin), self.apply(k, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}"

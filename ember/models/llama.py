@@ -1,0 +1,261 @@
+"""The Llama-family decoder (Llama, SmolLM2, Mistral; Qwen2 and Qwen3 configure it) with paged
+attention, fused qkv and gate_up projections, and HF-name weight loading.
+
+What differs between the family's architectures is a ``DecoderSpec`` (biases, per-head q/k norm);
+``qwen2.py`` and ``qwen3.py`` are thin subclasses that set it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.attention_backends.base import AttentionBackend
+from ember.layers.activation import SiluAndMul
+from ember.layers.attention import Attention, ForwardContext
+from ember.layers.norm import RMSNorm
+from ember.layers.rotary import RotaryEmbedding
+
+# HF buffers some checkpoints carry; they are recomputed, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# HF projection name -> (our fused projection, index of its shard)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}  # fmt: skip
+_UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The switches that tell the family's architectures apart. None = read from the config."""
+
+    qkv_bias: bool | None = None  # None: config.attention_bias
+    o_bias: bool | None = None  # None: config.attention_bias
+    mlp_bias: bool | None = None  # None: config.mlp_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope
+
+
+def _cfg(config: Any, name: str, default: Any) -> Any:
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """The layer's window: Qwen2/3 list per-layer types, Mistral has one window for all."""
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and window is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int,
+                 attn_backend: type[AttentionBackend], dtype: torch.dtype) -> None:  # fmt: skip
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = _cfg(config, "num_key_value_heads", self.num_heads)
+        self.head_size = _cfg(config, "head_dim", hidden // self.num_heads)
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attn_bias if spec.qkv_bias is None else spec.qkv_bias
+        o_bias = attn_bias if spec.o_bias is None else spec.o_bias
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, hidden, o_bias, dtype=dtype)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, dtype)
+        self.attn = Attention(
+            self.num_heads, self.head_size, self.head_size**-0.5, self.num_kv_heads, layer_idx,
+            attn_backend, sliding_window=layer_sliding_window(config, layer_idx),
+        )
+
+    def shard_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor,
+                sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
+        q = q.view(t, self.num_heads, self.head_size)
+        k = k.view(t, self.num_kv_heads, self.head_size)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r}: only silu is implemented")
+        bias = bool(getattr(config, "mlp_bias", False)) if spec.mlp_bias is None else spec.mlp_bias
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias, dtype=dtype
+        )
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias, dtype=dtype)
+        self.act = SiluAndMul()
+
+    def shard_sizes(self) -> list[int]:
+        return [self.intermediate_size, self.intermediate_size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int,
+                 attn_backend: type[AttentionBackend], dtype: torch.dtype) -> None:  # fmt: skip
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.self_attn = DecoderAttention(config, spec, layer_idx, attn_backend, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.mlp = DecoderMLP(config, spec, dtype)
+
+    def forward(self, h: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor,
+                sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
+        # Same order of operations as HF (residual + branch), so float32 results agree exactly.
+        h = self.self_attn(self.input_layernorm(h), rope, cos, sin, ctx).add_(h)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec, attn_backend: type[AttentionBackend],
+                 dtype: torch.dtype) -> None:  # fmt: skip
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, spec, i, attn_backend, dtype)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        head_size = self.layers[0].self_attn.head_size if len(self.layers) else 0
+        self.rotary_emb = RotaryEmbedding.from_config(config, head_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
+        h = self.embed_tokens(input_ids)
+        # cos/sin once per step, shared by all layers.
+        cos, sin = self.rotary_emb.cos_sin(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, self.rotary_emb, cos, sin, ctx)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over ``DecoderModel``; parameter names follow HF's except the fused ones."""
+
+    spec: ClassVar[DecoderSpec] = DecoderSpec()
+
+    def __init__(self, config: Any, attn_backend: type[AttentionBackend],
+                 dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = DecoderModel(config, self.spec, attn_backend, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, False, dtype=dtype)
+        # KV-cache geometry the engine sizes its cache from.
+        first = self.model.layers[0].self_attn
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = first.num_kv_heads
+        self.head_size: int = first.head_size
+        self.sliding_windows: list[int | None] = [
+            layer.self_attn.attn.sliding_window for layer in self.model.layers
+        ]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weight loading ----------------------------------------------------------------------
+
+    def _target(self, hf_name: str) -> tuple[str, int | None]:
+        """Our parameter name for an HF name, and the shard index within a fused projection."""
+        parts = hf_name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            fused, shard = _FUSED[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), shard
+        return hf_name, None
+
+    def expected_weight_names(self) -> set[str]:
+        """Every HF name the checkpoint must provide."""
+        names = set()
+        for name, _ in self.named_parameters():
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in _UNFUSED:
+                names.update(".".join([*parts[:-2], p, parts[-1]]) for p in _UNFUSED[parts[-2]])
+            else:
+                names.add(name)
+        return names
+
+    def _shard_slice(self, param_name: str, shard: int) -> tuple[int, int]:
+        owner = self.get_submodule(param_name.rsplit(".", 2)[0])  # the attn / mlp module
+        sizes = owner.shard_sizes()
+        return sum(sizes[:shard]), sizes[shard]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in (casting dtype, moving device); ValueError on unknown,
+        missing or mis-shaped names. Returns the names loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unknown: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: HF ties it to embed_tokens, and so do we
+            target, shard = self._target(name)
+            param = params.get(target)
+            if param is None:
+                unknown.append(name)
+                continue
+            dst = param.data
+            if shard is not None:
+                dst = dst.narrow(0, *self._shard_slice(target, shard))
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            loaded.add(name)
+        if unknown:
+            raise ValueError(f"unknown weights for {type(self).__name__}: {_names(unknown)}")
+        missing = self.expected_weight_names() - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {_names(missing)}")
+        return loaded
+
+
+def _names(names: Iterable[str], limit: int = 20) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's weights and layout; its sliding_window (maybe None) comes from config."""
+
+    spec = DecoderSpec(qkv_bias=False, o_bias=False, mlp_bias=False)

@@ -1,0 +1,74 @@
+"""The versioned plugin contract: pluggy hook specifications a plugin may implement.
+
+Versioning rule (PLUGIN_API_VERSION counts breaking changes only):
+- A hook may gain new arguments; it never loses or renames one. pluggy passes a hookimpl only the
+  arguments it names, so a plugin written against an older ember keeps working unchanged.
+- A hook whose meaning changes gets a new name (``..._v2``); the old one stays for a deprecation
+  period of at least one minor release, and PLUGIN_API_VERSION goes up.
+- Every hook receives ``api_version`` (an int): a plugin that needs a newer contract can check it
+  and raise, which ember records as a clear load failure.
+
+A plugin implements any subset of these hooks, each with any subset of their arguments::
+
+    from ember.plugins import hookimpl
+
+    @hookimpl
+    def ember_register_models(registry):
+        registry.register_model("MyForCausalLM", "my_pkg.model:MyForCausalLM")
+
+Registrations should be "module:attr" strings: listing what is installed then imports nothing of
+the plugin beyond its registration module, and resolution imports only what is chosen.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "ember"
+PLUGIN_API_VERSION = 1
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def ember_register_platforms(registry, api_version):  # type: ignore[no-untyped-def]
+    """Register platforms: ``registry.register_platform(name, "mod:Cls", probe="mod:fn")``.
+
+    `registry` is ember.registry.PlatformRegistry. Give a cheap probe: it runs during platform
+    selection in every process that selects a platform.
+    """
+
+
+@hookspec
+def ember_register_attention_backends(registry, api_version):  # type: ignore[no-untyped-def]
+    """Register attention backends with their static capabilities:
+    ``registry.register_backend(name, "mod:Cls", devices=[...], dtypes=[...], ...)``.
+
+    `registry` is ember.registry.AttentionBackendRegistry.
+    """
+
+
+@hookspec
+def ember_register_quantization_methods(registry, api_version):  # type: ignore[no-untyped-def]
+    """Register quantization methods: ``registry.register_quantization_method(name, "mod:Cls")``.
+
+    `registry` is ember.registry.QuantizationRegistry.
+    """
+
+
+@hookspec
+def ember_register_models(registry, api_version):  # type: ignore[no-untyped-def]
+    """Register model architectures: ``registry.register_model("ArchName", "mod:Cls")``.
+
+    `registry` is ember.registry.ModelRegistry; the name is the HF config's architecture.
+    """
+
+
+# Hook name -> registry key in ember.registry.REGISTRIES, in the order hooks are called.
+HOOKS: dict[str, str] = {
+    "ember_register_platforms": "platforms",
+    "ember_register_attention_backends": "attention_backends",
+    "ember_register_quantization_methods": "quantization_methods",
+    "ember_register_models": "models",
+}
