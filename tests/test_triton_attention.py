@@ -232,7 +232,7 @@ def _batch(num_heads, num_kv_heads, head_size, block_size, dtype, shape=MIXED, d
     return q, k, v, cache, meta
 
 
-def _expected(q, k, v, cache, meta, num_heads, head_size, scale):
+def _expected(q, k, v, cache, meta, num_heads, head_size, scale, window=None):
     """Store the new K/V with plain indexing, then run the dense reference."""
     cache = cache.clone()
     n = meta.num_actual_tokens
@@ -241,7 +241,7 @@ def _expected(q, k, v, cache, meta, num_heads, head_size, scale):
     cache[0, slots // bs, slots % bs] = k[:n].to(cache.dtype)
     cache[1, slots // bs, slots % bs] = v[:n].to(cache.dtype)
     ref = ref_attention(q[:n], cache, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_table,
-                        scale)
+                        scale, window)
     return ref.view(n, num_heads * head_size), cache
 
 
@@ -270,8 +270,10 @@ def test_backend_matches_sdpa_reference(window):
     ref_impl = sdpa.SdpaBackend.impl_cls()(num_heads, head_size, 0.2, num_kv_heads, window)
     impl = TritonBackend.impl_cls()(num_heads, head_size, 0.2, num_kv_heads, window)
     n = meta.num_actual_tokens
+    exact, _ = _expected(q, k, v, cache, meta, num_heads, head_size, 0.2, window)
     ref = ref_impl.forward(q, k, v, cache.clone(), meta)[:n]
     out = impl.forward(q, k, v, cache, meta)[:n]
+    _close(out, exact, 1e-4)  # first against float64, so a failure below points at SDPA
     torch.testing.assert_close(out.cpu(), ref.cpu(), atol=1e-4, rtol=1e-4)
 
 

@@ -22,18 +22,27 @@ import torch.nn.functional as F
 
 from ember.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
 
-# Gathered decode K/V can be tens of MB per layer; a fresh allocation that large is an mmap
-# whose pages fault in on every layer, which costs as much as the copy itself on the CPU.
-# Layers run one after another, so one grow-only buffer per (device, dtype) serves them all.
-_WORKSPACES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+# Gathered decode K/V can be tens of MB per layer; on the CPU a fresh allocation that large is
+# an mmap whose pages fault in on every layer, which costs as much as the copy itself. Layers run
+# one after another, so one grow-only buffer per dtype serves them all. Other devices have a
+# caching allocator already (and a hidden persistent buffer would upset memory profiling).
+_WORKSPACES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def release_workspaces() -> None:
+    """Drop the CPU gather buffers (they are re-created on the next decode)."""
+    _WORKSPACES.clear()
 
 
 def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (device, dtype)
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    key = dtype
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        _WORKSPACES[key] = buf
+        buf = None  # drop every reference to the old buffer before allocating the new one
+        _WORKSPACES.pop(key, None)
+        buf = _WORKSPACES[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
 
@@ -60,6 +69,7 @@ class SdpaPlan:
     write_slots: torch.Tensor  # [n_valid] int64 cache slots of the new tokens
     write_rows: torch.Tensor | None  # rows of key/value to store; None = rows 0..n_valid-1
     prefills: list[_PrefillReq]
+    consumers: set[int] = field(default_factory=set)  # ids of the impls that used this plan
     _decode: dict[tuple[int, int | None], _DecodePlan] = field(default_factory=dict)
     _blocks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
@@ -175,11 +185,7 @@ class SdpaImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        plan = metadata.backend_data
-        if not isinstance(plan, SdpaPlan):
-            # The runner did not call build_metadata: build once and share with later layers.
-            plan = SdpaPlan.build(metadata)
-            metadata.backend_data = plan
+        plan = self._plan(metadata)
         n = metadata.num_actual_tokens
         out = query.new_empty(query.shape[0], self.num_heads * self.head_size)
         out[n:] = 0  # padding rows: defined values are cheaper to debug than garbage
@@ -189,6 +195,21 @@ class SdpaImpl(AttentionImpl):
         for p in plan.prefills:
             self._prefill(query, key, value, kv_cache, plan, p, out)
         return out
+
+    def _plan(self, metadata: AttentionMetadata) -> SdpaPlan:
+        plan = metadata.backend_data
+        # A plan serves each layer once per step. If this layer has used it already, the
+        # metadata object is being reused for a new step without build_metadata: rebuild.
+        if not (
+            isinstance(plan, SdpaPlan)
+            and plan.metadata is metadata
+            and id(self) not in plan.consumers
+        ):
+            plan = SdpaPlan.build(metadata)
+            if metadata.backend_data is None or isinstance(metadata.backend_data, SdpaPlan):
+                metadata.backend_data = plan  # share it with the step's later layers
+        plan.consumers.add(id(self))
+        return plan
 
     def _store_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: SdpaPlan

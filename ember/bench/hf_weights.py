@@ -12,7 +12,7 @@ def ember_weights_for_hf(model_config) -> dict:
 
         pairs = iter_gguf_weights(model_config.path, model_config.hf_config)
     else:
-        from ember.models.loader import iter_safetensors_weights
+        from ember.models.loader import iter_safetensors, safetensors_files
 
-        pairs = iter_safetensors_weights(model_config.path)
+        pairs = iter_safetensors(safetensors_files(model_config.path))
     return {name: tensor.to(torch.float32) for name, tensor in pairs}

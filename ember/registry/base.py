@@ -53,10 +53,10 @@ def _check_static(value: Any, where: str) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise TypeError(f"{where}: capability keys must be strings, got {key!r}")
+                raise ValueError(f"{where}: capability keys must be strings, got {key!r}")
             _check_static(item, where)
         return
-    raise TypeError(
+    raise ValueError(
         f"{where}: capability values must be JSON-like data, got {type(value).__name__}"
     )
 

@@ -58,7 +58,6 @@ class ModelRunner:
             self.device,
             cfg.load_format,
             weights=weights,
-            show_progress=self.show_progress,
         )
 
     def kv_geometry(self) -> tuple[int, int, int]:
@@ -150,7 +149,7 @@ class ModelRunner:
         return result
 
     def _sample(self, batch: FlatBatch, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
-        from ember.layers.sampler import build_sampling_metadata
+        from ember.layers.sampling_metadata import build_sampling_metadata
 
         rows = [self.states[batch.req_ids[row]] for row in batch.sample_rows]
         indices = torch.from_numpy(batch.logits_indices).to(self.device)

@@ -5,6 +5,7 @@ Importing this package imports triton; the backend imports it only when it is ch
 
 from ember.attention_backends.triton_ops.decode import (
     DECODE_CONFIGS,
+    DECODE_SPLIT_CONFIGS,
     DecodeConfig,
     choose_num_splits,
     decode_workspace_numel,
@@ -19,6 +20,7 @@ from ember.attention_backends.triton_ops.store_kv import store_kv
 
 __all__ = [
     "DECODE_CONFIGS",
+    "DECODE_SPLIT_CONFIGS",
     "PREFILL_CONFIGS",
     "DecodeConfig",
     "PrefillConfig",

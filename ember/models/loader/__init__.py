@@ -85,7 +85,11 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
-    for path in tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard"):
+    from ember import envs
+
+    bar = tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard",
+               disable=envs.disable_progress_bars())  # fmt: skip
+    for path in bar:
         try:
             handle = safe_open(path, framework="pt", device="cpu")
         except Exception as e:

@@ -218,6 +218,12 @@ _CONFIG_KEYS = {
 _TOKEN_IDS = ("bos", "eos", "padding", "unknown")
 
 
+def hf_model_type(gguf_architecture: str) -> str | None:
+    """The HF model_type ember maps a GGUF architecture to, or None if it has no mapping."""
+    spec = _ARCHS.get(gguf_architecture)
+    return spec[0] if spec else None
+
+
 def gguf_hf_config(path: str) -> PretrainedConfig:
     """The transformers config described by the GGUF metadata (what transformers builds too)."""
     from transformers import AutoConfig
@@ -324,15 +330,20 @@ def _dequantize(path: str, f: Any, info: GGUFTensorInfo) -> np.ndarray:
 
 
 def iter_gguf_weights(
-    path: str, config: PretrainedConfig, *, progress: bool = True
+    path: str, config: PretrainedConfig, *, progress: bool | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF parameter name, float32 tensor in HF layout) for every tensor, one at a time.
 
     Only one tensor is dequantized at a time, so peak memory is the largest tensor, not the model.
-    Tensors with no HF parameter (e.g. llama.cpp's ``rope_freqs``) are skipped with a warning."""
+    Tensors with no HF parameter (e.g. llama.cpp's ``rope_freqs``) are skipped with a warning.
+    `progress`: show a tqdm bar; None follows EMBER_DISABLE_PROGRESS."""
     import torch
     from tqdm.auto import tqdm
 
+    from ember import envs
+
+    if progress is None:
+        progress = not envs.disable_progress_bars()
     header = read_gguf_header(path)
     permute = header.architecture == "llama"  # qwen GGUFs keep HF's (NeoX) rope layout
     n_head = config.num_attention_heads

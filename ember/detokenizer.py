@@ -1,0 +1,173 @@
+"""Incremental detokenization of one sequence: token ids in, text deltas out, stop strings cut.
+
+Decoding each new token on its own is wrong twice over: a multi-byte character split across
+tokens comes out as U+FFFD, and sentencepiece-style tokenizers drop the leading space of the first
+token they decode. So, as vLLM does, we decode a short window of tokens: ids from `prefix_offset`
+to `read_offset` are text already emitted (kept as context), ids from `read_offset` on are new; the
+delta is whatever the window decodes to beyond its prefix, held while it ends in U+FFFD (an
+unfinished character).
+
+Stop strings: after each token only the new text plus the `max_stop_len - 1` characters before it
+are searched (an earlier match would have been found earlier), and `.text` is cut at the first
+match, without or with the stop string (`include_stop_str_in_output`).
+
+Streaming with stop strings: a stop string may begin in text already decoded and complete in a
+later token, and emitted text cannot be taken back. `output_text_delta()` therefore holds back the
+last `max_stop_len - 1` characters until they can no longer start a stop string (more text came,
+a stop matched, or `finish()` was called). Its results concatenate to exactly the final `.text`.
+
+Typical use by the engine, once per step:
+    detok.append(new_ids)                 # returns the raw new text (not held back)
+    if detok.stop_string_hit is not None: finish the request (reason "stop")
+    elif the request ended otherwise: detok.finish()   # flush an unfinished trailing char
+    stream(detok.output_text_delta())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Prompt tokens kept as decoding context, so the first generated token keeps its leading space.
+PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Streams the text of one generated sequence; see the module docstring for the protocol.
+
+    Attributes: `token_ids` (generated ids appended so far, up to the one that completed a stop
+    string), `text` (decoded text so far, cut at a stop string), `stop_string_hit` (the stop
+    string that matched, or None), `finished` (a stop string matched or `finish()` was called).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: Sequence[int] | None = None,
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        stop: Iterable[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # Only meaningful when special tokens are kept: vLLM's (slow-tokenizer) rule of one space
+        # between a special token and its neighbours.
+        self._spaced = spaces_between_special_tokens and not skip_special_tokens
+        self._special_ids = _special_ids(tokenizer) if self._spaced else frozenset()
+        self.stop = [s for s in (stop or ()) if s]
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+
+        context = list(prompt_token_ids or ())[-PROMPT_CONTEXT_TOKENS:]
+        self._ids: list[int] = context  # decoding context + generated ids
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.stop_string_hit: str | None = None
+        self.finished = False
+        self._output_offset = 0  # how much of .text output_text_delta() has handed out
+
+    # -- decoding -----------------------------------------------------------------------------
+
+    def _decode(self, ids: list[int]) -> str:
+        if not self._spaced or not self._special_ids.intersection(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        # Split at special tokens, decode the runs between them, join everything with spaces.
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if i in self._special_ids:
+                if run:
+                    parts.append(self.tokenizer.decode(run, skip_special_tokens=False))
+                    run = []
+                parts.append(self.tokenizer.convert_ids_to_tokens(i))
+            else:
+                run.append(i)
+        if run:
+            parts.append(self.tokenizer.decode(run, skip_special_tokens=False))
+        return " ".join(parts)
+
+    def _advance(self, flush: bool) -> str:
+        """Text the window's unread tokens add; '' while it ends in an unfinished char."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text):
+            return ""  # e.g. a skipped special token
+        if new_text.endswith(_REPLACEMENT_CHAR) and not flush:
+            return ""  # wait: the next token may complete the character
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    # -- text and stop strings ----------------------------------------------------------------
+
+    def _add_text(self, piece: str) -> None:
+        start = max(0, len(self.text) - self._hold)
+        self.text += piece
+        if not self.stop:
+            return
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            idx = self.text.find(s, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is not None:
+            idx, s = best
+            self.text = self.text[: idx + len(s) if self.include_stop_str_in_output else idx]
+            self.stop_string_hit = s
+            self.finished = True
+
+    def append(self, new_token_ids: Iterable[int]) -> str:
+        """Add generated tokens; return the text they add to `.text`.
+
+        Tokens after the one that completes a stop string are ignored (not recorded). The return
+        value is not held back for stop strings, and when a stop string that began in earlier
+        text is cut away it can be '' while `.text` got shorter: stream `output_text_delta()`."""
+        before = len(self.text)
+        for token_id in new_token_ids:
+            if self.finished:
+                break
+            self._ids.append(int(token_id))
+            self.token_ids.append(int(token_id))
+            piece = self._advance(flush=False)
+            if piece:
+                self._add_text(piece)
+        return self.text[before:]
+
+    def finish(self) -> str:
+        """Mark the sequence ended (EOS, length...): flush a trailing unfinished character and
+        release held-back text. Returns the text this adds to `.text`. Idempotent."""
+        before = len(self.text)
+        if not self.finished:
+            if self._read_offset < len(self._ids):
+                piece = self._advance(flush=True)
+                if piece:
+                    self._add_text(piece)
+            self.finished = True
+        return self.text[before:]
+
+    def output_text_delta(self) -> str:
+        """Text not handed out before that can no longer be cut by a stop string.
+
+        While the sequence runs, the last `max_stop_len - 1` characters are held back (nothing
+        is held without stop strings); once `finished`, everything left is released."""
+        end = len(self.text) if self.finished else len(self.text) - self._hold
+        if end <= self._output_offset:
+            return ""
+        delta = self.text[self._output_offset : end]
+        self._output_offset = end
+        return delta
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(token, "special", False):
+            ids.add(token_id)
+    return frozenset(ids)

@@ -1,0 +1,271 @@
+"""Conformance check of an attention backend against the SDPA reference, over a grid of shapes.
+
+The kit plays the model runner: it allocates paged KV caches (a tiny block allocator, with prefix
+sharing), builds the AttentionMetadata of every step exactly as base.py specifies (decode requests
+first, `num_decode_tokens` of them), calls the backend's `build_metadata` once per step and its
+impl for two layers sharing that metadata, and compares outputs (and the cached K/V, when the
+backend keeps the standard cache layout) with the reference run through the same steps.
+Caches start filled with random garbage, so a backend that reads unwritten or masked slots fails.
+
+Scenarios (each a sequence of steps of (request, new tokens)): prefill, decode, chunked prefill,
+prefix hits (a request whose first blocks are another's), a mixed batch, and a padded decode batch
+(CUDA-graph style: slot_mapping -1 rows beyond num_actual_tokens) for graph-safe backends.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ember.attention_backends.base import AttentionBackend, AttentionMetadata
+from ember.registry.capabilities import canonical_dtype
+
+_TOL = {"float32": (2e-4, 2e-4), "float16": (3e-3, 3e-3), "bfloat16": (2.5e-2, 2.5e-2)}
+
+
+@dataclass
+class Scenario:
+    """Steps of (request id, number of new tokens); `shared` maps a request to the request and
+    number of full blocks whose cached K/V it starts with (a prefix-cache hit)."""
+
+    name: str
+    steps: list[list[tuple[int, int]]]
+    shared: dict[int, tuple[int, int]] = field(default_factory=dict)
+    pad_to: int | None = None  # pad every step to this many tokens (graph-style batches)
+
+
+def default_scenarios(block_size: int) -> list[Scenario]:
+    bs = block_size
+    return [
+        Scenario("prefill", [[(0, 7), (1, 2 * bs + 3), (2, 1)]]),
+        Scenario("decode", [[(0, 5), (1, bs + 1), (2, bs)]] + [[(0, 1), (1, 1), (2, 1)]] * 3),
+        Scenario("chunked_prefill", [[(0, bs + 3)], [(0, bs), (1, 4)], [(0, 5), (1, 1)],
+                                     [(0, 1), (1, 2 * bs)]]),
+        Scenario("prefix_hit", [[(0, 2 * bs + 3)], [(1, 5), (2, 1)], [(0, 1), (1, 1), (2, 1)]],
+                 shared={1: (0, 2), 2: (0, 1)}),
+        Scenario("mixed", [[(0, 9), (1, 3)], [(0, 1), (1, 1), (2, 6), (3, bs + 2)],
+                           [(0, 1), (2, 1), (3, 1), (1, 5)]]),
+        Scenario("padded_decode", [[(0, 6), (1, bs + 2)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]],
+                 pad_to=4),
+    ]
+
+
+@dataclass
+class AttentionGrid:
+    """The shapes to run. heads: (num_heads, num_kv_heads) pairs; GQA when they differ."""
+
+    head_sizes: tuple[int, ...] = (64,)
+    heads: tuple[tuple[int, int], ...] = ((4, 4), (4, 2), (8, 1))
+    block_sizes: tuple[int, ...] = (16,)
+    sliding_windows: tuple[int | None, ...] = (None,)
+    soft_caps: tuple[float | None, ...] = (None,)
+    scenarios: tuple[str, ...] | None = None  # None: every default scenario
+
+
+class _Allocator:
+    """Gives out blocks and remembers each request's block list and computed tokens."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.next_block = 1  # block 0 is left unused: padded block-table entries point there
+        self.blocks: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+
+    def start(self, req: int, shared: tuple[int, int] | None) -> None:
+        if shared is None:
+            self.blocks[req], self.computed[req] = [], 0
+        else:
+            src, n = shared
+            self.blocks[req] = list(self.blocks[src][:n])
+            self.computed[req] = n * self.block_size
+
+    def grow(self, req: int, total_tokens: int) -> None:
+        need = -(-total_tokens // self.block_size)
+        while len(self.blocks[req]) < need:
+            self.blocks[req].append(self.next_block)
+            self.next_block += 1
+
+
+def build_step_metadata(
+    alloc: _Allocator, step: list[tuple[int, int]], device: torch.device, pad_to: int | None
+) -> tuple[AttentionMetadata, list[tuple[int, int]]]:
+    """The metadata of one step, and the step's (request, tokens) in batch order (decodes
+    first, as the runner orders them)."""
+    for req, _ in step:
+        if req not in alloc.blocks:
+            raise ValueError(f"request {req} was not started")
+    order = sorted(step, key=lambda rn: not (rn[1] == 1 and alloc.computed[rn[0]] > 0))
+    num_decode = 0
+    for req, n in order:
+        if n == 1 and alloc.computed[req] > 0:
+            num_decode += 1
+        else:
+            break
+    bs = alloc.block_size
+    slots: list[int] = []
+    qsl, seq_lens, tables = [0], [], []
+    for req, n in order:
+        start = alloc.computed[req]
+        alloc.grow(req, start + n)
+        table = alloc.blocks[req]
+        slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(start + n)
+        tables.append(table)
+        alloc.computed[req] = start + n
+    num_tokens = len(slots)
+    total = max(pad_to or 0, num_tokens)
+    slots += [-1] * (total - num_tokens)
+    width = max(len(t) for t in tables)
+    table_t = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    md = AttentionMetadata(
+        num_actual_tokens=num_tokens,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=table_t.to(device),
+        max_query_len=max(n for _, n in order),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        num_decode_tokens=num_decode,
+    )
+    return md, order
+
+
+def _run(backend: type[AttentionBackend], case: dict[str, Any], scenario: Scenario,
+         inputs: list[list[tuple[torch.Tensor, ...]]], device: torch.device,
+         dtype: torch.dtype, num_blocks: int, seed: int) -> tuple[list, list]:
+    """Outputs per step and layer, and the final caches, of `backend` on `scenario`."""
+    h, kvh, d, bs = case["num_heads"], case["num_kv_heads"], case["head_size"], case["block_size"]
+    gen = torch.Generator().manual_seed(seed)
+    shape = backend.kv_cache_shape(num_blocks, bs, kvh, d)
+    caches = [(torch.randn(shape, generator=gen) * 3).to(device=device, dtype=dtype)
+              for _ in range(2)]
+    impls = [backend.impl_cls()(h, d, d**-0.5, kvh, case["sliding_window"], case["soft_cap"])
+             for _ in range(2)]
+    alloc = _Allocator(bs)
+    outputs = []
+    for step, step_inputs in zip(scenario.steps, inputs, strict=True):
+        for req, _ in step:
+            if req not in alloc.blocks:
+                alloc.start(req, scenario.shared.get(req))
+        md, _ = build_step_metadata(alloc, step, device, scenario.pad_to)
+        md = backend.build_metadata(md)
+        outs = []
+        for layer, (q, k, v) in enumerate(step_inputs):
+            q_in = q.clone()
+            out = impls[layer].forward(q, k, v, caches[layer], md)
+            if not torch.equal(q, q_in):
+                raise AssertionError(f"{backend.__name__} modified its query input in place")
+            if tuple(out.shape) != (q.shape[0], h * d):
+                raise AssertionError(f"{backend.__name__} returned shape {tuple(out.shape)}, "
+                                     f"expected {(q.shape[0], h * d)}")
+            outs.append(out[: md.num_actual_tokens].float().cpu())
+        outputs.append(outs)
+    return outputs, caches
+
+
+def _scenario_inputs(scenario: Scenario, case: dict[str, Any], device: torch.device,
+                     dtype: torch.dtype, seed: int) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    h, kvh, d = case["num_heads"], case["num_kv_heads"], case["head_size"]
+    steps = []
+    for step in scenario.steps:
+        t = max(sum(n for _, n in step), scenario.pad_to or 0)
+        layers = []
+        for _ in range(2):
+            q, k, v = (torch.randn(t, n, d, generator=gen).to(device=device, dtype=dtype)
+                       for n in (h, kvh, kvh))
+            layers.append((q, k, v))
+        steps.append(layers)
+    return steps
+
+
+def check_attention_backend(
+    backend_cls: type[AttentionBackend],
+    *,
+    device: str = "cpu",
+    dtypes: Iterable[str] = ("float32",),
+    grid: AttentionGrid | dict[str, Any] | None = None,
+    reference: type[AttentionBackend] | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    seed: int = 0,
+) -> list[str]:
+    """Compare `backend_cls` with the SDPA reference over the grid; AssertionError on the first
+    mismatch (naming the case), else one summary line per case."""
+    if reference is None:
+        from ember.attention_backends.sdpa import SdpaBackend as reference
+    if isinstance(grid, dict):
+        grid = AttentionGrid(**grid)
+    grid = grid or AttentionGrid()
+    dev = torch.device(device)
+    report = []
+    for dtype_name, d, (h, kvh), bs, window, cap in itertools.product(
+        [canonical_dtype(x) for x in dtypes], grid.head_sizes, grid.heads, grid.block_sizes,
+        grid.sliding_windows, grid.soft_caps,
+    ):
+        dtype = getattr(torch, dtype_name)
+        case = dict(num_heads=h, num_kv_heads=kvh, head_size=d, block_size=bs,
+                    sliding_window=window, soft_cap=cap)
+        default_atol, default_rtol = _TOL[dtype_name]
+        for scenario in default_scenarios(bs):
+            if grid.scenarios is not None and scenario.name not in grid.scenarios:
+                continue
+            if scenario.pad_to and not backend_cls.supports_cuda_graphs:
+                continue  # only graph-safe backends get padded batches from the runner
+            name = (f"{scenario.name} {dtype_name} heads={h}/{kvh} head_size={d} block={bs}"
+                    + (f" window={window}" if window else "") + (f" soft_cap={cap}" if cap else ""))
+            inputs = _scenario_inputs(scenario, case, dev, dtype, seed)
+            tokens = sum(n for step in scenario.steps for _, n in step)
+            reqs = {r for step in scenario.steps for r, _ in step}
+            num_blocks = 2 + -(-tokens // bs) + len(reqs)  # block 0 (padding) + an upper bound
+            got, got_caches = _run(backend_cls, case, scenario, inputs, dev, dtype,
+                                   num_blocks, seed + 1)
+            want, want_caches = _run(reference, case, scenario, inputs, dev, dtype,
+                                     num_blocks, seed + 2)
+            worst = 0.0
+            for step_i, (g_step, w_step) in enumerate(zip(got, want, strict=True)):
+                for layer, (g, w) in enumerate(zip(g_step, w_step, strict=True)):
+                    err = (g - w).abs().max().item() if g.numel() else 0.0
+                    worst = max(worst, err)
+                    if not torch.allclose(g, w, atol=atol or default_atol,
+                                          rtol=rtol or default_rtol):
+                        raise AssertionError(
+                            f"{backend_cls.__name__} differs from {reference.__name__} in case "
+                            f"[{name}], step {step_i}, layer {layer}: max abs error {err:.3g} "
+                            f"(atol {atol or default_atol}, rtol {rtol or default_rtol})"
+                        )
+            _check_written_cache(backend_cls, reference, got_caches, want_caches, scenario, bs,
+                                 name)
+            report.append(f"ok  {name}: max abs error {worst:.3g}")
+    return report
+
+
+def _check_written_cache(backend, reference, got, want, scenario, block_size, name) -> None:
+    """When both keep the standard layout, the slots written must hold the same K/V."""
+    if backend.kv_cache_shape(2, 4, 1, 8) != reference.kv_cache_shape(2, 4, 1, 8):
+        return
+    alloc = _Allocator(block_size)
+    written: set[int] = set()
+    for step in scenario.steps:
+        for req, _ in step:
+            if req not in alloc.blocks:
+                alloc.start(req, scenario.shared.get(req))
+        md, _ = build_step_metadata(alloc, step, torch.device("cpu"), None)
+        written.update(md.slot_mapping.tolist())
+    slots = torch.tensor(sorted(written), dtype=torch.int64)
+    for layer, (g, w) in enumerate(zip(got, want, strict=True)):
+        g_flat = g.flatten(1, 2).index_select(1, slots.to(g.device)).float().cpu()
+        w_flat = w.flatten(1, 2).index_select(1, slots.to(w.device)).float().cpu()
+        if not torch.equal(g_flat, w_flat):
+            raise AssertionError(f"{backend.__name__} stored different K/V than "
+                                 f"{reference.__name__} at the written slots in case [{name}], "
+                                 f"layer {layer}")

@@ -1,0 +1,220 @@
+"""Platform selection (explicit, out-of-tree, built-in; ambiguity; unavailable choices), the
+CUDA/ROCm probes, and attention-backend selection with its explanation."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from ember import registry as reg
+from ember.attention_backends.selector import (
+    explain_attention_backend,
+    rank_attention_backends,
+    select_attention_backend,
+)
+from ember.platforms import choose_platform, explain_platform, probe_platform, resolve_platform
+from ember.platforms.cpu import CpuPlatform
+from ember.platforms.cuda import CudaPlatform, cuda_status
+from ember.registry import AttentionBackendRegistry, PlatformRegistry
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    for var in ("EMBER_PLATFORM", "EMBER_ATTENTION_BACKEND", "EMBER_CPU_VARIANT",
+                "TRITON_INTERPRET"):
+        monkeypatch.delenv(var, raising=False)
+    with reg.isolated():
+        yield
+
+
+# A fake out-of-tree platform module: probes read a flag so tests switch them on and off.
+fake = types.ModuleType("fake_oot_platforms")
+fake.ON = {"alpha": True, "beta": False}
+
+
+class AlphaPlatform(CpuPlatform):
+    name = "alpha"
+    preferred_attention_backends = ["alpha_attn", "sdpa"]
+
+
+class BetaPlatform(CpuPlatform):
+    name = "beta"
+
+
+def _probe(name):
+    return lambda: (fake.ON[name], f"{name} switched off")
+
+
+fake.AlphaPlatform, fake.BetaPlatform = AlphaPlatform, BetaPlatform
+fake.alpha_probe, fake.beta_probe = _probe("alpha"), _probe("beta")
+fake.raising_probe = lambda: 1 / 0
+sys.modules["fake_oot_platforms"] = fake
+
+
+def _register(name, cls="AlphaPlatform"):
+    with reg.registering_as(f"{name}-dist", "0.3", name):
+        PlatformRegistry.register_platform(name, f"fake_oot_platforms:{cls}",
+                                           probe=f"fake_oot_platforms:{name}_probe")
+
+
+def test_builtin_default_is_cpu_here():
+    assert isinstance(resolve_platform(), CpuPlatform)
+    lines = explain_platform()
+    assert any("platform cuda (built-in): unavailable" in x for x in lines)
+    assert lines[-1].startswith("platform cpu: chosen")
+
+
+def test_explicit_device_and_env(monkeypatch):
+    platform = resolve_platform("cpu:0")
+    assert platform.name == "cpu" and platform.device_index == 0
+    assert str(platform.device()) == "cpu:0"
+    with pytest.raises(ValueError, match="unknown platform 'tpu'.*known: cpu, .*cuda, .*rocm"):
+        resolve_platform("tpu")
+    with pytest.raises(ValueError, match="platform 'cuda' .* is not available: "):
+        resolve_platform("cuda")
+    with pytest.raises(ValueError, match="rocm.*not available.*AMD GPU"):
+        resolve_platform("rocm")
+    monkeypatch.setenv("EMBER_PLATFORM", "nope")
+    with pytest.raises(ValueError, match="from EMBER_PLATFORM='nope'"):
+        resolve_platform()
+
+
+def test_the_one_available_oot_platform_wins():
+    fake.ON.update(alpha=True, beta=False)
+    _register("alpha")
+    _register("beta", "BetaPlatform")
+    name, _, lines = choose_platform()
+    assert name == "alpha"
+    assert "platform beta (out-of-tree, beta-dist 0.3): unavailable: beta switched off" in lines
+    assert resolve_platform().name == "alpha"
+    assert resolve_platform("cpu").name == "cpu"  # an explicit choice still wins
+
+
+def test_two_available_oot_platforms_is_an_error_naming_both():
+    fake.ON.update(alpha=True, beta=True)
+    _register("alpha")
+    _register("beta", "BetaPlatform")
+    with pytest.raises(ValueError) as err:
+        resolve_platform()
+    msg = str(err.value)
+    assert "'alpha' (alpha-dist 0.3)" in msg and "'beta' (beta-dist 0.3)" in msg
+    assert "device=" in msg and "EMBER_PLATFORM" in msg
+    assert resolve_platform("beta").name == "beta"
+
+
+def test_raising_probe_means_unavailable_with_reason(caplog):
+    PlatformRegistry.register_platform("raising", "fake_oot_platforms:BetaPlatform",
+                                       probe="fake_oot_platforms:raising_probe")
+    ok, reason = probe_platform("raising")
+    assert not ok and "ZeroDivisionError" in reason
+    assert "raising" in caplog.text
+    assert resolve_platform().name == "cpu"
+
+
+def test_probe_without_probe_capability_uses_the_class():
+    PlatformRegistry.register_platform("classy", AlphaPlatform)
+    assert probe_platform("classy") == (True, "")
+
+
+def test_cuda_probe_does_not_import_torch_and_honours_visible_devices(monkeypatch):
+    import subprocess
+
+    code = ("import sys; from ember.platforms.cuda import cuda_status; s = cuda_status(); "
+            "print(s[0], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.split()[-1] == "False"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert cuda_status() == (False, "CUDA_VISIBLE_DEVICES hides every GPU")
+
+
+def test_cuda_kv_cache_budget(monkeypatch):
+    import torch
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))
+    assert CudaPlatform().kv_cache_memory_bytes(0.9) == 72 * gib - 20 * gib
+    with pytest.raises(ValueError, match="no GPU memory left"):
+        CudaPlatform().kv_cache_memory_bytes(0.2)
+
+
+# ---- attention-backend selection ---------------------------------------------------------
+
+
+def test_cpu_picks_sdpa_and_explains():
+    assert select_attention_backend(CpuPlatform(), dtype="float32", head_size=64).name == "sdpa"
+    lines = explain_attention_backend(CpuPlatform(), dtype="float32", head_size=64)
+    assert "sdpa: chosen (#1 in cpu's preference)" in lines
+    assert any(x.startswith("triton: rejected, runs on ['cuda']") for x in lines)
+
+
+def test_cuda_order_and_capability_rejections(monkeypatch):
+    cuda = CudaPlatform()
+    monkeypatch.setattr("ember.attention_backends.selector._module_missing", lambda m: False)
+    name, lines = rank_attention_backends(cuda, dtype="bf16", head_size=128)
+    assert name == "flashinfer"
+    assert "triton: suitable, but flashinfer comes first (#2 in cuda's preference)" in lines
+    name, lines = rank_attention_backends(cuda, dtype="float32", head_size=128)
+    assert name == "triton" and any("flashinfer: rejected, dtype float32" in x for x in lines)
+    name, lines = rank_attention_backends(cuda, dtype="bfloat16", head_size=96)
+    assert name == "sdpa" and any("triton: rejected, head size 96" in x for x in lines)
+    name, _ = rank_attention_backends(cuda, dtype="bfloat16", head_size=128, sliding_window=True)
+    assert name == "triton"
+    with pytest.raises(ValueError, match="no attention backend can run this model"):
+        rank_attention_backends(cuda, dtype="float32", head_size=96, need_cuda_graphs=True)
+
+
+def test_missing_module_rejects_without_importing(monkeypatch):
+    monkeypatch.setattr("ember.attention_backends.selector._module_missing",
+                        lambda m: m == "flashinfer")
+    name, lines = rank_attention_backends(CudaPlatform(), dtype="bf16", head_size=128)
+    assert name == "triton"
+    assert "flashinfer: rejected, needs flashinfer, not installed" in lines
+
+
+def test_override_argument_and_env(monkeypatch):
+    cpu = CpuPlatform()
+    with pytest.raises(ValueError, match="unknown attention backend 'nope' .*known: .*sdpa"):
+        select_attention_backend(cpu, dtype="float32", head_size=64, override="nope")
+    with pytest.raises(ValueError, match="'triton' .*cannot be used on platform cpu: runs on"):
+        select_attention_backend(cpu, dtype="float32", head_size=64, override="triton")
+    monkeypatch.setenv("EMBER_ATTENTION_BACKEND", "flashinfer")
+    with pytest.raises(ValueError, match="from EMBER_ATTENTION_BACKEND='flashinfer'"):
+        select_attention_backend(cpu, dtype="float32", head_size=64)
+    monkeypatch.setenv("EMBER_ATTENTION_BACKEND", "sdpa")
+    lines = explain_attention_backend(cpu, dtype="float32", head_size=64)
+    assert lines[-1] == "sdpa: chosen, because EMBER_ATTENTION_BACKEND='sdpa'"
+
+
+def test_triton_allowed_on_cpu_under_the_interpreter(monkeypatch):
+    cpu = CpuPlatform()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    name, _ = rank_attention_backends(cpu, dtype="float32", head_size=64, override="triton")
+    assert name == "triton"
+    # ...but never chosen on the CPU without being asked for (not in cpu's preference).
+    assert rank_attention_backends(cpu, dtype="float32", head_size=64)[0] == "sdpa"
+
+
+def test_oot_backend_by_platform_preference_then_priority():
+    AttentionBackendRegistry.register_backend("alpha_attn", "m:A", devices=["alpha"],
+                                              dtypes=["float32"])
+    AttentionBackendRegistry.register_backend("fast_cpu", "m:F", devices=["cpu"],
+                                              dtypes=["float32"], priority=50)
+    alpha = AlphaPlatform()  # device type cpu, platform name alpha, prefers alpha_attn
+    name, lines = rank_attention_backends(alpha, dtype="float32", head_size=64)
+    assert name == "alpha_attn"
+    assert "fast_cpu [user]: suitable, but alpha_attn comes first (priority 50)" in lines
+    # On plain cpu alpha_attn does not run; sdpa is cpu's preference, fast_cpu comes after it.
+    name, lines = rank_attention_backends(CpuPlatform(), dtype="float32", head_size=64)
+    assert name == "sdpa" and any(x.startswith("alpha_attn [user]: rejected") for x in lines)
+
+
+def test_unregistered_preferred_backend_is_skipped_with_a_note():
+    class Odd(CpuPlatform):
+        name = "odd"
+        preferred_attention_backends = ["ghost", "sdpa"]
+
+    name, lines = rank_attention_backends(Odd(), dtype="float32", head_size=64)
+    assert name == "sdpa"
+    assert "ghost: skipped, preferred by odd but not registered" in lines

@@ -1,0 +1,334 @@
+"""Plugin discovery and loading: entry points, attribution, failure isolation and rollback,
+allowlist, strict mode, once-per-process loading, the hook contract, and `ember plugins`.
+
+Plugins here are fake distributions written to a temporary directory put on PYTHONPATH (what
+`pip install --target` produces), loaded in fresh processes; the example plugins of
+examples/plugins are used where installed (scripts/setup.sh installs them)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from plugin_utils import (
+    EXAMPLES,
+    examples_installed,
+    last_json,
+    pip_install_target,
+    run_py,
+    write_plugin,
+)
+
+REPORT = """
+    import json
+    from ember.plugins import load_plugins
+    from ember.registry import REGISTRIES
+    report = load_plugins()
+    entries = {k: {e.name: [e.owner, e.version, e.plugin] for e in r.entries() if not e.builtin}
+               for k, r in REGISTRIES.items()}
+    print(json.dumps({"report": report.to_dict(), "entries": entries}))
+"""
+
+GOOD = """
+    from ember.plugins import hookimpl
+    CALLS = []
+
+    @hookimpl
+    def ember_register_models(registry):
+        CALLS.append("models")
+        registry.register_model("GoodForCausalLM", "good_impl:Good")
+
+    @hookimpl
+    def ember_register_attention_backends(registry, api_version):
+        registry.register_backend("good_attn", "good_impl:Attn", devices=["cpu"],
+                                  dtypes=["float32"], priority=api_version)
+"""
+# registers one model, then fails: its registration must be rolled back.
+RAISES = """
+    from ember.plugins import hookimpl
+
+    @hookimpl
+    def ember_register_models(registry):
+        registry.register_model("HalfDoneForCausalLM", "half:Done")
+        raise RuntimeError("boom in a hook")
+"""
+BAD_SIGNATURE = """
+    from ember.plugins import hookimpl
+
+    @hookimpl
+    def ember_register_models(registry, not_an_argument):
+        pass
+"""
+CONFLICT = """
+    from ember.plugins import hookimpl
+
+    @hookimpl
+    def ember_register_models(registry):
+        registry.register_model("LlamaForCausalLM", "conflict:Llama")
+"""
+OVERRIDE = """
+    from ember.plugins import hookimpl
+
+    @hookimpl
+    def ember_register_models(registry):
+        registry.register_model("MistralForCausalLM", "override_impl:Mistral", override=True)
+"""
+FUTURE_HOOK = """
+    from ember.plugins import hookimpl
+
+    @hookimpl
+    def ember_register_models(registry):
+        registry.register_model("FutureForCausalLM", "future:F")
+
+    @hookimpl
+    def ember_register_tokenizers(registry):  # a hook from a newer ember
+        pass
+"""
+VLLM_STYLE = """
+    def register():
+        from ember.registry import ModelRegistry
+        ModelRegistry.register_model("VllmStyleForCausalLM", "vllm_style_impl:M")
+"""
+
+
+@pytest.fixture
+def site(tmp_path):
+    write_plugin(tmp_path, "good-plugin", {"good": "good_plugin"}, {"good_plugin": GOOD}, "1.2")
+    write_plugin(tmp_path, "raising-plugin", {"raising": "raising_plugin"},
+                 {"raising_plugin": RAISES})
+    write_plugin(tmp_path, "badsig-plugin", {"badsig": "badsig_plugin"},
+                 {"badsig_plugin": BAD_SIGNATURE})
+    write_plugin(tmp_path, "conflict-plugin", {"conflict": "conflict_plugin"},
+                 {"conflict_plugin": CONFLICT})
+    write_plugin(tmp_path, "override-plugin", {"override": "override_plugin"},
+                 {"override_plugin": OVERRIDE})
+    write_plugin(tmp_path, "future-plugin", {"future": "future_plugin"},
+                 {"future_plugin": FUTURE_HOOK})
+    write_plugin(tmp_path, "vllm-style", {"vllm_style": "vllm_style_plugin:register"},
+                 {"vllm_style_plugin": VLLM_STYLE})
+    write_plugin(tmp_path, "missing-module", {"missing": "module_that_does_not_exist"}, {})
+    return tmp_path
+
+
+FAKE = "good,raising,badsig,conflict,override,future,vllm_style,missing"
+
+
+def _load(site, **env):
+    env.setdefault("EMBER_PLUGINS", FAKE)
+    out = last_json(run_py(REPORT, path=[site], **env))
+    return {p["name"]: p for p in out["report"]["plugins"]}, out["entries"]
+
+
+def test_each_plugin_loads_in_isolation_and_is_attributed(site):
+    plugins, entries = _load(site)
+    assert plugins["good"]["status"] == "loaded"
+    assert (plugins["good"]["dist"], plugins["good"]["version"]) == ("good-plugin", "1.2")
+    assert sorted(plugins["good"]["registered"]) == ["attention_backends:good_attn",
+                                                     "models:GoodForCausalLM"]
+    assert entries["models"]["GoodForCausalLM"] == ["good-plugin", "1.2", "good"]
+    assert entries["attention_backends"]["good_attn"][0] == "good-plugin"
+    assert plugins["vllm_style"]["status"] == "loaded"
+    assert entries["models"]["VllmStyleForCausalLM"][0] == "vllm-style"
+
+
+def test_failures_are_recorded_with_tracebacks_and_rolled_back(site):
+    plugins, entries = _load(site)
+    raising = plugins["raising"]
+    assert raising["status"] == "failed"
+    assert raising["error"] == "RuntimeError: boom in a hook"
+    assert "Traceback" in raising["traceback"] and "raising_plugin.py" in raising["traceback"]
+    assert "HalfDoneForCausalLM" not in entries["models"]  # rolled back
+    assert plugins["missing"]["status"] == "failed"
+    assert plugins["missing"]["error"].startswith("ModuleNotFoundError")
+    assert plugins["badsig"]["status"] == "failed"
+    assert "not_an_argument" in plugins["badsig"]["error"]
+
+
+def test_conflict_with_builtin_fails_the_plugin_naming_both(site):
+    plugins, entries = _load(site)
+    error = plugins["conflict"]["error"]
+    assert "'LlamaForCausalLM' is already registered by ember" in error
+    assert "conflict-plugin 1.0" in error and "override=True" in error
+    assert "LlamaForCausalLM" not in entries["models"]  # still ember's
+    assert plugins["override"]["status"] == "loaded"
+    assert entries["models"]["MistralForCausalLM"][0] == "override-plugin"
+
+
+def test_unknown_hook_is_a_warning_not_a_failure(site):
+    plugins, entries = _load(site)
+    future = plugins["future"]
+    assert future["status"] == "loaded"
+    assert any("ember_register_tokenizers" in w for w in future["warnings"])
+    assert "FutureForCausalLM" in entries["models"]
+
+
+def test_failure_is_logged_once_clearly(site):
+    proc = run_py("""
+        import logging
+        logging.basicConfig()
+        from ember.plugins import load_plugins
+        from ember.registry import ModelRegistry
+        load_plugins(); load_plugins()
+        ModelRegistry.names(); "x" in ModelRegistry
+    """, path=[site], EMBER_PLUGINS="raising")
+    assert proc.stderr.count("failed to load") == 1
+    assert "'raising' (raising-plugin 1.0" in proc.stderr and "boom in a hook" in proc.stderr
+
+
+def test_plugins_load_once_per_process(site):
+    proc = run_py("""
+        import json
+        from ember.plugins import load_plugins
+        from ember.registry import ModelRegistry
+        first = load_plugins()
+        ModelRegistry.names(); ModelRegistry.register_model("Mine", "m:Mine")
+        import good_plugin
+        print(json.dumps([load_plugins() is first, good_plugin.CALLS]))
+    """, path=[site], EMBER_PLUGINS="good")
+    assert last_json(proc) == [True, ["models"]]
+
+
+def test_registry_access_loads_plugins_before_user_registrations(site):
+    proc = run_py("""
+        from ember.registry import ModelRegistry
+        ModelRegistry.register_model("Mine", "m:Mine")  # triggers plugin loading first
+        print(ModelRegistry.entry("GoodForCausalLM").owner)
+    """, path=[site], EMBER_PLUGINS="good")
+    assert proc.stdout.strip() == "good-plugin"
+
+
+def test_allowlist_empty_means_none_and_imports_nothing(site):
+    proc = run_py("""
+        import json, sys
+        from ember.plugins import load_plugins
+        r = load_plugins()
+        print(json.dumps([[p.name, p.status] for p in r.plugins if p.name in
+                          ("good", "raising")], ) )
+        print(json.dumps(sorted(m for m in sys.modules if m.endswith("_plugin"))))
+    """, path=[site], EMBER_PLUGINS="")
+    statuses = json.loads(proc.stdout.splitlines()[0])
+    assert statuses == [["good", "skipped"], ["raising", "skipped"]]
+    assert last_json(proc) == []
+
+
+def test_allowlist_by_entry_point_or_distribution_name_and_missing_names(site):
+    plugins, entries = _load(site, EMBER_PLUGINS="good-plugin, vllm_style, nonexistent")
+    assert plugins["good"]["status"] == "loaded"
+    assert plugins["vllm_style"]["status"] == "loaded"
+    assert plugins["raising"]["status"] == "skipped"
+    assert plugins["nonexistent"]["status"] == "missing"
+
+
+def test_strict_mode_makes_a_failure_fatal(site):
+    proc = run_py("""
+        from ember.plugins import load_plugins, PluginLoadError
+        for _ in range(2):  # stays fatal on every call
+            try:
+                load_plugins()
+            except PluginLoadError as exc:
+                print("fatal:", str(exc).splitlines()[0])
+    """, path=[site], EMBER_PLUGINS="good,raising", EMBER_PLUGINS_STRICT="1")
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2 and all("'raising'" in x and "boom in a hook" in x for x in lines)
+    ok = run_py(REPORT, path=[site], EMBER_PLUGINS="good", EMBER_PLUGINS_STRICT="1")
+    statuses = {p["name"]: p["status"] for p in last_json(ok)["report"]["plugins"]}
+    assert statuses["good"] == "loaded" and statuses["raising"] == "skipped"
+    missing = run_py("""
+        from ember.plugins import load_plugins, PluginLoadError
+        try:
+            load_plugins()
+        except PluginLoadError as exc:
+            print(exc)
+    """, path=[site], EMBER_PLUGINS="nonexistent", EMBER_PLUGINS_STRICT="1")
+    assert "not installed" in missing.stdout
+
+
+def test_cli_lists_plugins_and_their_errors(site):
+    proc = run_py("from ember.entrypoints.cli_plugins import main; main([])", path=[site],
+                  EMBER_PLUGINS="good,raising")
+    out = proc.stdout
+    assert "good-plugin 1.2" in out
+    assert "raising" in out and "FAILED" in out and "RuntimeError: boom in a hook" in out
+    assert "GoodForCausalLM" in out and "good_impl:Good" in out
+    verbose = run_py("from ember.entrypoints.cli_plugins import main; main(['-v'])",
+                     path=[site], EMBER_PLUGINS="raising").stdout
+    assert "traceback of raising" in verbose and "raising_plugin.py" in verbose
+    data = json.loads(run_py("from ember.entrypoints.cli_plugins import main; main(['--json'])",
+                             path=[site], EMBER_PLUGINS="good").stdout)
+    good = next(p for p in data["plugins"]["plugins"] if p["name"] == "good")
+    assert (good["dist"], good["status"]) == ("good-plugin", "loaded")
+    assert any(e["name"] == "GoodForCausalLM" for e in data["registries"]["models"])
+
+
+# ---- the example plugins (examples/plugins), as installed by examples/plugins/install.sh ----
+
+needs_examples = pytest.mark.skipif(not examples_installed(),
+                                    reason="run examples/plugins/install.sh first")
+
+
+@pytest.fixture(scope="session")
+def broken_site(tmp_path_factory):
+    """The example broken plugin, really pip-installed, into a directory of its own (installing
+    it into the venv would make every ember process log its failure)."""
+    target = tmp_path_factory.mktemp("broken") / "site"
+    pip_install_target(EXAMPLES / "ember-broken-plugin", target)
+    return target
+
+
+@needs_examples
+def test_listing_imports_no_plugin_implementation_module():
+    proc = run_py("""
+        import json, sys
+        from ember.entrypoints.cli_plugins import listing
+        text = "\\n".join(listing())
+        mods = sorted(m for m in sys.modules if m.split(".")[0] in
+                      ("ember_gemma", "ember_paged_torch", "ember_cpu_variant"))
+        print(json.dumps({"mods": mods, "torch": "torch" in sys.modules,
+                          "ok": all(n in text for n in ("GemmaForCausalLM", "paged_torch",
+                                                         "cpu_variant_sdpa", "cpu_variant"))}))
+    """)
+    out = last_json(proc)
+    assert out["ok"] and not out["torch"]
+    # Only each plugin's registration module (the entry point) and its empty package.
+    assert out["mods"] == ["ember_cpu_variant", "ember_cpu_variant.plugin", "ember_gemma",
+                           "ember_gemma.plugin", "ember_paged_torch", "ember_paged_torch.plugin"]
+
+
+@needs_examples
+def test_broken_example_plugin_is_reported_and_others_keep_working(broken_site):
+    proc = run_py("""
+        import json
+        from ember.entrypoints.cli_plugins import main
+        main([])
+        from ember.registry import ModelRegistry, AttentionBackendRegistry
+        print(json.dumps([ModelRegistry.resolve("GemmaForCausalLM").__name__,
+                          AttentionBackendRegistry.resolve("paged_torch").__name__]))
+    """, path=[broken_site])
+    out = proc.stdout
+    assert "broken" in out and "ember-broken-plugin 0.1.0" in out and "FAILED" in out
+    assert "ModuleNotFoundError: No module named 'ember_dependency_that_is_not_installed'" in out
+    assert "3 loaded, 1 failed" in out
+    assert last_json(proc) == ["GemmaForCausalLM", "PagedTorchBackend"]
+    assert proc.stderr.count("failed to load") == 1
+
+
+@needs_examples
+def test_broken_example_plugin_in_strict_mode_is_fatal(broken_site):
+    proc = run_py("from ember.entrypoints.cli_plugins import main; main([])",
+                  path=[broken_site], check=False, EMBER_PLUGINS_STRICT="1")
+    assert proc.returncode != 0
+    assert "PluginLoadError" in proc.stderr and "EMBER_PLUGINS_STRICT=1" in proc.stderr
+
+
+@needs_examples
+def test_explain_with_the_example_platform():
+    off = run_py("from ember.entrypoints.cli_plugins import main; main(['--explain', "
+                 "'--model', 'LlamaForCausalLM', '--head-size', '64'])").stdout
+    assert "cpu_variant (out-of-tree, ember-cpu-variant 0.1.0): unavailable: set " \
+           "EMBER_CPU_VARIANT=1" in off
+    assert "platform cpu: chosen" in off and "sdpa: chosen" in off
+    on = run_py("from ember.entrypoints.cli_plugins import main; main(['--explain', "
+                "'--model', 'LlamaForCausalLM', '--head-size', '64'])",
+                EMBER_CPU_VARIANT="1").stdout
+    assert "platform cpu_variant: chosen, the one available out-of-tree platform" in on
+    assert "cpu_variant_sdpa [ember-cpu-variant 0.1.0]: chosen" in on
