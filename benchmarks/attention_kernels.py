@@ -131,13 +131,15 @@ def sweep_configs(quick: bool):
         yield f"bn256-w{nw}-s2", DecodeConfig(block_n=256, num_warps=nw, num_stages=2)
 
 
-def split_choices(batch: int, quick: bool) -> list[int]:
+def split_choices(batch: int, quick: bool, explicit: str | None) -> list[int]:
+    if explicit:
+        return [int(s) for s in explicit.split(",")]
     if quick:
         return []
     return [1, 2, 4, 8] if batch >= 32 else [2, 4, 8, 16, 32, 64]
 
 
-def bench_shape(batch, ctx, bs, copy_tbs, sms, quick, rows, best) -> None:
+def bench_shape(batch, ctx, bs, copy_tbs, sms, args, rows, best) -> None:
     """Sweep one (batch, context, block size): configs at auto splits, then splits for the best."""
     from ember.attention_backends.triton_ops.decode import choose_num_splits, default_config
 
@@ -177,9 +179,9 @@ def bench_shape(batch, ctx, bs, copy_tbs, sms, quick, rows, best) -> None:
 
     # Phase 1: kernel configs at the automatic split count; phase 2: split counts for the best
     # config (the full product would not fit one device run).
-    results = [(ember(name, cfg, None), name, cfg) for name, cfg in sweep_configs(quick)]
+    results = [(ember(name, cfg, None), name, cfg) for name, cfg in sweep_configs(args.quick)]
     _, top_name, top_cfg = max(results, key=lambda t: t[0])
-    for splits in split_choices(batch, quick):
+    for splits in split_choices(batch, args.quick, args.splits):
         ember(top_name, top_cfg, splits)
     try:
         import flashinfer  # noqa: F401
@@ -196,6 +198,8 @@ def main() -> None:
     ap.add_argument("--block-sizes", default="16,64", help="cache block sizes to test")
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES),
                     help="BATCHxCONTEXT list, e.g. 64x4096,8x32768,1x131072")
+    ap.add_argument("--splits", default=None,
+                    help="split counts to time for the best config, e.g. 1,2,4 (default: a sweep)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -210,7 +214,7 @@ def main() -> None:
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
     shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
     for (batch, ctx), bs in itertools.product(shapes, block_sizes):
-        bench_shape(batch, ctx, bs, copy_tbs, dev.multi_processor_count, args.quick, rows, best)
+        bench_shape(batch, ctx, bs, copy_tbs, dev.multi_processor_count, args, rows, best)
         torch.cuda.empty_cache()
 
     print(f"\n{'shape':20s} {'impl':50s} {'us':>8s} {'TB/s':>6s} {'%copy':>6s}")

@@ -152,6 +152,11 @@ class IncrementalDetokenizer:
             self.finished = True
         return self.text[before:]
 
+    @property
+    def stable_text(self) -> str:
+        """The text that can no longer change: all of it once finished, else minus the hold."""
+        return self.text if self.finished else self.text[: max(0, len(self.text) - self._hold)]
+
     def output_text_delta(self) -> str:
         """Text not handed out before that can no longer be cut by a stop string.
 

@@ -94,6 +94,11 @@ def _load_gguf(path: str) -> PreTrainedTokenizerBase:
     from ember.models.loader.gguf import hf_model_type, read_gguf_header
 
     header = read_gguf_header(path)  # a damaged file fails here with a clear ValueError
+    if "tokenizer.ggml.model" not in header.metadata:
+        raise ValueError(
+            f"GGUF file {path!r} carries no tokenizer (no tokenizer.ggml.* metadata): "
+            "pass a tokenizer directory explicitly"
+        )
     directory, name = os.path.split(os.path.abspath(path))
     model_type = hf_model_type(header.architecture)
     if model_type is None:

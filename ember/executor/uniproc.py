@@ -94,7 +94,10 @@ class UniProcExecutor:
         budget = args.kv_cache_memory_bytes
         if budget is None:
             budget = self.platform.kv_cache_memory_bytes(args.gpu_memory_utilization)
-        return max(int(budget // self.runner.bytes_per_block()), 0)
+        num_blocks = int(budget // self.runner.bytes_per_block())
+        # More blocks than max_num_seqs full-length requests can ever use is wasted memory.
+        per_request = -(-self.model_config.max_model_len // args.block_size)
+        return max(min(num_blocks, per_request * args.max_num_seqs), 0)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

@@ -13,7 +13,6 @@ cell works.
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +20,6 @@ from contextvars import ContextVar
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
-logger = logging.getLogger("ember.registry")
 
 # Who is registering right now: set by the plugin loader around each plugin's import and hooks,
 # so a plugin's registrations are attributed to its distribution without the plugin saying so.
@@ -192,7 +190,10 @@ class LazyRegistry(Generic[T]):
         overrides = None
         if old is not None and old.owner != owner:
             overrides = old.provider
-            logger.info("%s %r of %s is overridden by %s", self.kind, name, old.provider, owner)
+            import logging  # here, not at module level: the registry must import fast
+
+            logging.getLogger("ember.registry").info(
+                "%s %r of %s is overridden by %s", self.kind, name, old.provider, owner)
         entry = Entry(name, path, owner, caps, version=version, plugin=plugin, overrides=overrides)
         self._entries[name] = entry
         self._resolved.pop(name, None)

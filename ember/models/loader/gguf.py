@@ -124,7 +124,12 @@ def _parse(buf: mmap.mmap, size: int, path: str) -> GGUFHeader:
     cur.pos = 4
     version = cur.scalar("<I", "version")
     if version not in _VERSIONS:
-        raise _Corrupt(f"unsupported GGUF version {version} (this reader handles v2 and v3)")
+        endian = (
+            " (a big-endian file?)"
+            if int.from_bytes(version.to_bytes(4, "little"), "big") in _VERSIONS
+            else ""
+        )
+        raise _Corrupt(f"unsupported GGUF version {version}{endian}; this reader handles v2 and v3")
     n_tensors, n_kv = cur.scalar("<Q", "tensor count"), cur.scalar("<Q", "metadata count")
     # Each entry takes well over 8 bytes: absurd counts mean garbage, not a huge model.
     if n_tensors * 8 > size or n_kv * 8 > size:
@@ -248,6 +253,15 @@ def gguf_hf_config(path: str) -> PretrainedConfig:
         if f"tokenizer.ggml.{name}_token_id" in meta:
             hf_name = {"padding": "pad", "unknown": "unk"}.get(name, name)
             kwargs[f"{hf_name}_token_id"] = meta[f"tokenizer.ggml.{name}_token_id"]
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in header.tensors:
+        # transformers ignores these too; short contexts are unaffected.
+        logger.warning(
+            "GGUF file %s: its rope scaling (%s) is not applied; outputs past the original "
+            "context length may differ from llama.cpp's",
+            path,
+            "rope_freqs tensor" if scaling == "none" else scaling,
+        )
     # llama.cpp drops output.weight when the head shares the embedding matrix.
     kwargs["tie_word_embeddings"] = "output.weight" not in header.tensors
     missing = [

@@ -29,4 +29,4 @@ def test_when_enabled_it_is_the_platform_and_brings_its_backend(monkeypatch):
 def test_backend_matches_sdpa():
     backend = AttentionBackendRegistry.resolve("cpu_variant_sdpa")
     check_attention_backend(backend, dtypes=("float32", "bfloat16"),
-                            grid={"sliding_windows": (None, 5)})
+                            grid={"heads": ((4, 2), (4, 1)), "sliding_windows": (None, 5)})
