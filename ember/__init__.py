@@ -26,13 +26,13 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
-    from ember.config import EngineArgs
-    from ember.core.engine import LLMEngine
-    from ember.entrypoints.llm import LLM
-    from ember.inputs import TextPrompt, TokensPrompt
-    from ember.outputs import CompletionOutput, RequestOutput
-    from ember.registry import ModelRegistry
-    from ember.sampling_params import SamplingParams
+    from ember.config import EngineArgs  # noqa: F401
+    from ember.core.engine import LLMEngine  # noqa: F401
+    from ember.entrypoints.llm import LLM  # noqa: F401
+    from ember.inputs import TextPrompt, TokensPrompt  # noqa: F401
+    from ember.outputs import CompletionOutput, RequestOutput  # noqa: F401
+    from ember.registry import ModelRegistry  # noqa: F401
+    from ember.sampling_params import SamplingParams  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,8 @@ def _flag(name: str) -> bool:
 
 
 def plugins_allowlist() -> list[str] | None:
-    """EMBER_PLUGINS: comma-separated plugin names to load; unset = all, empty string = none."""
+    """EMBER_PLUGINS: comma-separated plugins to load, by entry-point or distribution name
+    (case, '-', '_' and '.' do not matter); unset = all, empty string = none."""
     value = os.environ.get("EMBER_PLUGINS")
     if value is None:
         return None
@@ -23,17 +24,19 @@ def plugins_allowlist() -> list[str] | None:
 
 
 def plugins_strict() -> bool:
-    """EMBER_PLUGINS_STRICT=1: a plugin that fails to load is fatal instead of reported."""
+    """EMBER_PLUGINS_STRICT=1: a plugin that fails to load (or an allow-listed one that is not
+    installed) raises PluginLoadError instead of being reported and skipped."""
     return _flag("EMBER_PLUGINS_STRICT")
 
 
 def platform() -> str | None:
-    """EMBER_PLATFORM: force a platform by name (same as device=...)."""
+    """EMBER_PLATFORM: force a platform by name, e.g. "cuda:1" (same as device=...)."""
     return _str("EMBER_PLATFORM")
 
 
 def attention_backend() -> str | None:
-    """EMBER_ATTENTION_BACKEND: force an attention backend by name."""
+    """EMBER_ATTENTION_BACKEND: force an attention backend by name (same as attention_backend=);
+    one that cannot run the model is an error, never a silent fallback."""
     return _str("EMBER_ATTENTION_BACKEND")
 
 
@@ -45,3 +48,8 @@ def logging_level() -> str:
 def disable_progress_bars() -> bool:
     """EMBER_DISABLE_PROGRESS=1: no tqdm bars (weight loading, offline generate)."""
     return _flag("EMBER_DISABLE_PROGRESS")
+
+
+def api_key() -> str | None:
+    """EMBER_API_KEY: the key `ember serve` requires on /v1/* (same as --api-key)."""
+    return _str("EMBER_API_KEY")

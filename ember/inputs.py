@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypedDict, Union
+from typing import TypedDict
 
 from typing_extensions import NotRequired
 
@@ -17,4 +17,4 @@ class TokensPrompt(TypedDict):
     prompt: NotRequired[str]
 
 
-PromptType = Union[str, TextPrompt, TokensPrompt]
+PromptType = str | TextPrompt | TokensPrompt

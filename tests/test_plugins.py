@@ -332,3 +332,36 @@ def test_explain_with_the_example_platform():
                 EMBER_CPU_VARIANT="1").stdout
     assert "platform cpu_variant: chosen, the one available out-of-tree platform" in on
     assert "cpu_variant_sdpa [ember-cpu-variant 0.1.0]: chosen" in on
+
+
+def test_explain_reads_a_gguf_model_without_importing_torch():
+    from ember.default_model import default_model_path
+
+    try:
+        path = default_model_path()
+    except Exception as exc:  # the embedded model is installed by scripts/setup.sh
+        pytest.skip(f"default model not installed: {exc}")
+    proc = run_py(f"""
+        import json, sys
+        from ember.entrypoints.cli_plugins import explain
+        lines, ok = explain({path!r}, None, "auto", None, None)
+        print(json.dumps([ok, "torch" in sys.modules, lines]))
+    """)
+    ok, torch_imported, lines = last_json(proc)
+    assert ok and not torch_imported
+    assert "model: LlamaForCausalLM -> ember.models.llama:LlamaForCausalLM (ember)" in lines
+    assert "  model needs: dtype float32, head size 64" in lines
+
+
+def test_registration_module_importing_torch_gets_a_warning(tmp_path):
+    write_plugin(tmp_path, "heavy-plugin", {"heavy": "heavy_plugin"}, {"heavy_plugin": """
+        import torch  # noqa: F401  (what not to do in a registration module)
+        from ember.plugins import hookimpl
+
+        @hookimpl
+        def ember_register_models(registry):
+            registry.register_model("HeavyForCausalLM", "heavy_impl:H")
+    """})
+    plugins, _ = _load(tmp_path, EMBER_PLUGINS="heavy")
+    assert plugins["heavy"]["status"] == "loaded"
+    assert any("imported torch" in w for w in plugins["heavy"]["warnings"])

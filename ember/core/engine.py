@@ -18,8 +18,6 @@ from ember.sampling_params import SamplingParams
 
 logger = logging.getLogger("ember")
 
-_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
@@ -43,7 +41,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
-            args.max_num_batched_tokens or _DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            self.executor.max_num_batched_tokens,
             args.max_num_seqs,
             self.max_model_len,
         )
@@ -153,11 +151,17 @@ class LLMEngine:
             child.all_stop_token_ids |= self.eos_token_ids
         return child
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort requests; returns a final output (finish_reason "abort") for each live one."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        finals = []
         for parent_id in ids:
+            parent = self.output_processor.parents.get(parent_id)
             children = self.output_processor.abort(parent_id)
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            if parent is not None:  # async callers end their streams with it
+                finals.append(self.output_processor._make_output(parent))
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -134,7 +134,9 @@ class OutputProcessor:
             parent.metrics.finished_time = time.time()
             self._drop(parent)
         first = [c.request.metrics.first_token_time for c in parent.children]
+        last = [c.request.metrics.last_token_time for c in parent.children]
         parent.metrics.first_token_time = min((t for t in first if t), default=None)
+        parent.metrics.last_token_time = max((t for t in last if t), default=None)
         parent.metrics.num_preemptions = sum(c.request.metrics.num_preemptions for c in parent.children)
         return RequestOutput(
             request_id=parent.request_id,

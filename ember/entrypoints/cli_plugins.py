@@ -146,9 +146,7 @@ def _model_facts(model: str | None, head_size: int | None) -> tuple[dict[str, An
         except Exception as exc:
             notes.append(f"model: none given and the default is not available ({exc})")
     if model and model.endswith(".gguf") and os.path.isfile(model):
-        from ember.models.loader.gguf import gguf_hf_config
-
-        cfg = gguf_hf_config(model)
+        cfg = _gguf_config(model)
     elif model and os.path.isdir(model):
         with open(os.path.join(model, "config.json")) as f:
             cfg = SimpleNamespace(**json.load(f))
@@ -168,6 +166,28 @@ def _model_facts(model: str | None, head_size: int | None) -> tuple[dict[str, An
     use_window = bool(window) and getattr(cfg, "use_sliding_window", True) is not False
     return {"archs": archs, "config": cfg or SimpleNamespace(), "head_size": int(size),
             "sliding_window": use_window}, notes
+
+
+def _gguf_config(path: str) -> Any:
+    """The facts explain needs from a GGUF header, without transformers (seconds faster);
+    the loader's own gguf_hf_config when its architecture table is not there to read."""
+    from types import SimpleNamespace
+
+    from ember.models.loader import gguf
+
+    header = gguf.read_gguf_header(path)
+    arch, meta = header.architecture, header.metadata
+    spec = getattr(gguf, "_ARCHS", {}).get(arch)
+    if spec is None:
+        return gguf.gguf_hf_config(path)  # raises the loader's "cannot load" error
+    _, hf_arch, head_dim_key = spec
+    return SimpleNamespace(
+        architectures=[hf_arch],
+        num_attention_heads=meta.get(f"{arch}.attention.head_count"),
+        hidden_size=meta.get(f"{arch}.embedding_length"),
+        head_dim=meta.get(f"{arch}.{head_dim_key}") if head_dim_key else None,
+        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+    )
 
 
 def explain(model: str | None, device: str | None, dtype: str, head_size: int | None,
@@ -219,15 +239,22 @@ def explain(model: str | None, device: str | None, dtype: str, head_size: int | 
     return out + ["  " + line for line in why], ok
 
 
+def _print(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `ember plugins | head`: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def run(ns: argparse.Namespace) -> int:
     if ns.explain:
         lines, ok = explain(ns.model, ns.device, ns.dtype, ns.head_size, ns.attention_backend)
-        print("\n".join(lines))
+        _print("\n".join(lines))
         return 0 if ok else 1
     if ns.json:
-        print(json.dumps(listing_json(), indent=2))
+        _print(json.dumps(listing_json(), indent=2))
         return 0
-    print("\n".join(listing(check=ns.check, verbose=ns.verbose)))
+    _print("\n".join(listing(check=ns.check, verbose=ns.verbose)))
     return 0
 
 

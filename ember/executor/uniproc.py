@@ -17,6 +17,9 @@ from ember.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("ember")
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+MAX_GRAPH_BATCH_SIZE = 512
+
 
 def build_model_config(args: EngineArgs, platform) -> ModelConfig:
     from ember.registry import ModelRegistry
@@ -85,8 +88,37 @@ class UniProcExecutor:
             show_progress=args.show_progress,
         )
         self.runner.load_model()
+        self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self.peak_activation_bytes = 0
+        if self.platform.device_type == "cuda":
+            self._profile(args)
         self.num_blocks = self._num_blocks(args)
         self.runner.initialize_kv_cache(self.num_blocks)
+        self.graph_capture_seconds = 0.0
+        if (
+            self.platform.device_type == "cuda"
+            and not args.enforce_eager
+            and self.attn_backend.supports_cuda_graphs
+        ):
+            self.graph_capture_seconds = self.runner.capture_cuda_graphs(
+                min(args.max_num_seqs, MAX_GRAPH_BATCH_SIZE)
+            )
+        if args.compile_model:
+            import torch
+
+            self.runner.model = torch.compile(self.runner.model, dynamic=True)
+
+    def _profile(self, args: EngineArgs) -> None:
+        """Measure the peak memory of the largest step before the KV cache takes the rest."""
+        import torch
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        self.runner.profile_run(self.max_num_batched_tokens, args.max_num_seqs)
+        torch.cuda.synchronize()
+        self.peak_activation_bytes = torch.cuda.max_memory_allocated() - before
+        torch.cuda.empty_cache()
 
     def _num_blocks(self, args: EngineArgs) -> int:
         if args.num_gpu_blocks_override is not None:
@@ -94,6 +126,7 @@ class UniProcExecutor:
         budget = args.kv_cache_memory_bytes
         if budget is None:
             budget = self.platform.kv_cache_memory_bytes(args.gpu_memory_utilization)
+            budget -= self.peak_activation_bytes  # the largest step must still fit beside it
         num_blocks = int(budget // self.runner.bytes_per_block())
         # More blocks than max_num_seqs full-length requests can ever use is wasted memory.
         per_request = -(-self.model_config.max_model_len // args.block_size)

@@ -14,6 +14,7 @@ filters what is imported at all; EMBER_PLUGINS_STRICT=1 turns any failure into P
 
 from __future__ import annotations
 
+import sys
 import threading
 import types
 from typing import Any
@@ -130,6 +131,7 @@ def _load_one(ep: Any, status: PluginStatus) -> None:
     from ember.registry import REGISTRIES, load_state, registering_as, save_state
 
     saved = save_state()
+    had_torch = "torch" in sys.modules
     try:
         with registering_as(status.dist or ep.name, status.version, ep.name):
             obj = ep.load()
@@ -152,6 +154,9 @@ def _load_one(ep: Any, status: PluginStatus) -> None:
         )
         return
     status.status = LOADED
+    if not had_torch and "torch" in sys.modules:
+        status.warnings.append("importing its registration module imported torch, which makes "
+                               "`ember plugins` and start-up slow: import it where it is used")
     status.registered = [
         f"{kind}:{entry.name}"
         for kind, reg in REGISTRIES.items()

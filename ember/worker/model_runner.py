@@ -34,9 +34,12 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.model: torch.nn.Module | None = None
+        self.graph_runner = None
         from ember.layers.sampler import Sampler
+        from ember.worker.input_stager import InputStager
 
         self.sampler = Sampler()
+        self.stager = InputStager(device)
 
     # ---- set-up ------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -76,6 +79,58 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)
         ]
 
+    def capture_cuda_graphs(self, max_batch_size: int) -> float:
+        """Capture decode graphs (CUDA + a graph-capable backend); returns the seconds taken."""
+        from ember.worker.cuda_graph import CudaGraphRunner
+
+        max_blocks = -(-self.model_config.max_model_len // self.block_size)
+        self.graph_runner = CudaGraphRunner(self, max_batch_size, max_blocks)
+        self.graph_runner.capture()
+        return self.graph_runner.capture_seconds
+
+    @torch.inference_mode()
+    def profile_run(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        """One forward at the largest step (plus sampling at the largest batch), writing no KV,
+        so the platform can measure peak activation memory before sizing the KV cache."""
+        import numpy as np
+
+        from ember.layers.attention import ForwardContext
+        from ember.layers.sampling_metadata import build_sampling_metadata
+        from ember.sampling_params import SamplingParams
+
+        max_len = self.model_config.max_model_len
+        num_tokens = max(max_num_batched_tokens, max_num_seqs)
+        lens = [min(max_len, num_tokens - i) for i in range(0, num_tokens, max_len)]
+        num_layers, kv_heads, head_size = self.kv_geometry()
+        shape = self.attn_backend.kv_cache_shape(1, self.block_size, kv_heads, head_size)
+        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                  for _ in range(num_layers)]
+        width = -(-max(lens) // self.block_size)
+        qsl = np.zeros(len(lens) + 1, dtype=np.int32)
+        np.cumsum(lens, out=qsl[1:])
+        md = AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.from_numpy(qsl).to(self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_table=torch.zeros(len(lens), width, dtype=torch.int32, device=self.device),
+            max_query_len=max(lens), max_seq_len=max(lens),
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lens, num_decode_tokens=0,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        ctx = ForwardContext(self.attn_backend.build_metadata(md), caches)
+        hidden = self.model(ids, positions, ctx)  # type: ignore[misc]
+        logits = self.model.compute_logits(hidden[:max_num_seqs])  # type: ignore[union-attr]
+        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * logits.shape[0]
+        rows = [[0]] * logits.shape[0]
+        sampling = build_sampling_metadata(params, rows, rows, {}, logits.shape[-1], self.device)
+        self.sampler(logits, sampling)
+        del caches, hidden, logits
+
+    def _stage(self, name: str, array, dtype: torch.dtype) -> torch.Tensor:
+        return self.stager.to_device(name, array, dtype)
+
     # ---- one step ----------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
@@ -111,15 +166,14 @@ class ModelRunner:
         return generator
 
     def _metadata(self, batch: FlatBatch) -> AttentionMetadata:
-        def dev(array, dtype):
-            return torch.from_numpy(array).to(self.device, dtype, non_blocking=True)
+        dev = self._stage
 
         metadata = AttentionMetadata(
             num_actual_tokens=len(batch.input_ids),
-            slot_mapping=dev(batch.slot_mapping, torch.int64),
-            query_start_loc=dev(batch.query_start_loc, torch.int32),
-            seq_lens=dev(batch.seq_lens, torch.int32),
-            block_table=dev(batch.block_table, torch.int32),
+            slot_mapping=dev("slot_mapping", batch.slot_mapping, torch.int64),
+            query_start_loc=dev("query_start_loc", batch.query_start_loc, torch.int32),
+            seq_lens=dev("seq_lens", batch.seq_lens, torch.int32),
+            block_table=dev("block_table", batch.block_table, torch.int32),
             max_query_len=int(batch.query_lens.max()),
             max_seq_len=int(batch.seq_lens.max()),
             query_start_loc_cpu=batch.query_start_loc.tolist(),
@@ -137,10 +191,15 @@ class ModelRunner:
         if out.is_empty:
             return result
         batch = build_flat_batch(self.states, out.num_scheduled_tokens, self.block_size)
-        input_ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
-        positions = torch.from_numpy(batch.positions).to(self.device, non_blocking=True)
-        ctx = ForwardContext(attn_metadata=self._metadata(batch), kv_caches=self.kv_caches)
-        hidden = self.model(input_ids, positions, ctx)  # type: ignore[misc]
+        self.stager.begin()
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            hidden = self.graph_runner.run(batch)
+        else:
+            input_ids = self._stage("input_ids", batch.input_ids, torch.int64)
+            positions = self._stage("positions", batch.positions, torch.int64)
+            ctx = ForwardContext(attn_metadata=self._metadata(batch), kv_caches=self.kv_caches)
+            hidden = self.model(input_ids, positions, ctx)  # type: ignore[misc]
+        self.stager.end()
         self._prompt_logprobs(batch, hidden, out, result)
         if batch.sample_rows:
             self._sample(batch, hidden, result)
@@ -152,7 +211,7 @@ class ModelRunner:
         from ember.layers.sampling_metadata import build_sampling_metadata
 
         rows = [self.states[batch.req_ids[row]] for row in batch.sample_rows]
-        indices = torch.from_numpy(batch.logits_indices).to(self.device)
+        indices = self._stage("logits_indices", batch.logits_indices, torch.int64)
         logits = self.model.compute_logits(hidden[indices])  # type: ignore[union-attr]
         metadata = build_sampling_metadata(
             [s.sampling_params for s in rows],

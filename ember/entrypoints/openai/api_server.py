@@ -1,0 +1,186 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over AsyncLLM, and `run_server` for the CLI.
+
+`build_app(engine)` gives an app for any ASGI server (tests run it under uvicorn in a thread);
+`run_server(ns)` builds the engine from CLI flags and runs uvicorn, whose SIGTERM/SIGINT handling
+stops accepting, lets in-flight requests finish (up to --shutdown-timeout seconds, then cancels
+them, which aborts their engine requests), and then the app's lifespan shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import ember
+from ember import envs
+from ember.core.async_engine import AsyncLLM
+from ember.entrypoints.openai import metrics as prom
+from ember.entrypoints.openai.errors import OpenAIError, error_body, install_error_handlers
+from ember.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    EmbeddingRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from ember.entrypoints.openai.serving_chat import create_chat_completion
+from ember.entrypoints.openai.serving_common import ServingContext
+from ember.entrypoints.openai.serving_completion import create_completion
+
+logger = logging.getLogger("ember")
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+
+
+class APIKeyMiddleware:
+    """401 with an OpenAI error body on /v1/* without `Authorization: Bearer <key>`.
+
+    A plain ASGI middleware (not BaseHTTPMiddleware) so streaming and disconnects pass through
+    untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and (
+            scope["method"] != "OPTIONS"
+        ):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = OpenAIError("Incorrect or missing API key: pass it as "
+                                  "'Authorization: Bearer <key>'", 401, code="invalid_api_key")
+                await JSONResponse(error_body(err), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(
+    engine: AsyncLLM,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+    shutdown_engine_on_exit: bool = True,
+) -> FastAPI:
+    names = served_model_names or [engine.model_config.path]
+    ctx = ServingContext(engine, names)
+    metrics = prom.ServerMetrics(engine, ctx.model_name)
+    engine.add_stat_logger(metrics.record)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        try:
+            yield
+        finally:
+            engine.remove_stat_logger(metrics.record)
+            if shutdown_engine_on_exit:
+                await engine.shutdown()
+
+    app = FastAPI(title="ember OpenAI-compatible server", version=ember.__version__,
+                  lifespan=lifespan)
+    app.state.engine, app.state.ctx, app.state.metrics = engine, ctx, metrics
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health", responses=_ERRORS)
+    async def health() -> Response:
+        await engine.check_health()  # EngineDeadError -> 503
+        return Response(status_code=200)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=ember.__version__)
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=prom.CONTENT_TYPE)
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=engine.model_config.path, max_model_len=ctx.max_model_len)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def list_models() -> ModelList:
+        return ModelList(data=[card(n) for n in names])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
+    async def retrieve_model(model: str) -> ModelCard:
+        if model not in names:
+            ctx.check_model(model)
+        return card(model)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(req, raw, ctx)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(req, raw, ctx)
+
+    @app.post("/v1/embeddings", responses=_ERRORS)
+    async def embeddings(req: EmbeddingRequest) -> Response:
+        model = ctx.check_model(req.model)
+        raise OpenAIError(
+            f"The model `{model}` does not support embeddings: it is a generative model "
+            "(ember serves no pooling models yet).", 400, param="model",
+            code="model_not_supported",
+        )
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        ctx.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise OpenAIError("give exactly one of prompt or messages", 400, param="prompt")
+        if req.messages is not None:
+            if not req.messages:
+                raise OpenAIError("messages must not be empty", 400, param="messages")
+            ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt)
+        else:
+            ids = ctx.encode(req.prompt or "", req.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        ctx.check_model(req.model)
+        if req.tokens:
+            ctx.check_tokens(req.tokens, param="tokens")
+        return DetokenizeResponse(prompt=ctx.decode(req.tokens))
+
+    return app
+
+
+# ---- the `ember serve` process -----------------------------------------------------------
+def run_server(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ember.entrypoints.cli_args import engine_args_from
+
+    api_key = ns.api_key or envs.api_key()
+    args = engine_args_from(ns)
+    engine = AsyncLLM.from_engine_args(args)
+    names = ns.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
+    app = build_app(engine, names, api_key=api_key)
+    config = uvicorn.Config(
+        app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+        timeout_graceful_shutdown=ns.shutdown_timeout, timeout_keep_alive=5,
+    )
+    server = uvicorn.Server(config)
+    logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", names[0], ns.host, ns.port)
+    try:
+        server.run()
+    finally:
+        engine.shutdown_sync()  # also when uvicorn failed before the lifespan ran
+    return 0 if server.started else 1

@@ -1,0 +1,157 @@
+"""/v1/chat/completions: messages -> chat template -> one request with n samples.
+
+Streams follow OpenAI: a first chunk per choice with the assistant role, then content deltas (the
+new suffix of the engine's append-only text), the finish reason on the last chunk of each choice,
+an optional usage chunk with no choices, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ember.core.async_engine import EngineDeadError
+from ember.entrypoints.openai.errors import OpenAIError, error_body
+from ember.entrypoints.openai.logprobs import chat_logprobs
+from ember.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+    random_id,
+)
+from ember.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    EventStreamResponse,
+    ServingContext,
+    check_stream_options,
+    sampling_params,
+    sse,
+    until_disconnect,
+)
+from ember.outputs import RequestOutput
+
+
+def _check_unsupported(req: ChatCompletionRequest) -> None:
+    if req.tools:
+        raise OpenAIError("tools are not supported by this server", 400, param="tools")
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise OpenAIError(f"response_format {fmt!r} is not supported (only 'text')", 400,
+                          param="response_format")
+    if req.top_logprobs and not req.logprobs:
+        raise OpenAIError("top_logprobs needs logprobs=true", 400, param="top_logprobs")
+
+
+async def create_chat_completion(
+    req: ChatCompletionRequest, raw: Request, ctx: ServingContext
+) -> Response:
+    model = ctx.check_model(req.model)
+    _check_unsupported(req)
+    include_usage = check_stream_options(req)
+    ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt,
+                                  req.continue_final_message)
+    ctx.check_tokens(ids, param="messages")
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else (
+        req.max_tokens)
+    max_tokens = ctx.check_length(len(ids), requested, "messages")
+    num_top = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, ctx, max_tokens, num_top)
+    request_id = req.request_id or random_id("chatcmpl")
+    gen = ctx.engine.generate({"prompt_token_ids": ids}, params, request_id, time.time())
+    if req.stream:
+        return EventStreamResponse(_stream(req, ctx, model, request_id, gen, include_usage))
+    response = await until_disconnect(raw, _full(req, ctx, model, request_id, gen))
+    if response is None:
+        return Response(status_code=499)  # the client left; nobody reads this
+    return JSONResponse(response.model_dump())
+
+
+def _echo_prefix(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's content, when it is the assistant's."""
+    last = req.messages[-1]
+    if req.echo and last.role == "assistant" and isinstance(last.content, str):
+        return last.content
+    return ""
+
+
+async def _full(req, ctx: ServingContext, model: str, request_id: str, gen):
+    final: RequestOutput | None = None
+    try:
+        async for out in gen:
+            final = out
+    except ValueError as exc:
+        raise OpenAIError(str(exc), 400) from exc
+    assert final is not None
+    choices, completion_tokens = [], 0
+    for c in final.outputs:
+        completion_tokens += len(c.token_ids)
+        lp = None
+        if req.logprobs:
+            lp = chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0, ctx.decode)
+        message = ChatResponseMessage(content=_echo_prefix(req) + c.text)
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    prompt_tokens = len(final.prompt_token_ids)
+    usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                      total_tokens=prompt_tokens + completion_tokens)
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+
+async def _stream(
+    req, ctx: ServingContext, model: str, request_id: str, gen, include_usage: bool
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                choices=choices, usage=usage))
+
+    sent_text = [0] * req.n
+    sent_tokens = [0] * req.n
+    finished = [False] * req.n
+    echo = _echo_prefix(req)
+    # The role first, as OpenAI does, before any token exists.
+    yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echo))
+                 for i in range(req.n)])
+    final: RequestOutput | None = None
+    try:
+        async for out in gen:
+            final = out
+            choices = []
+            for c in out.outputs:
+                k = c.index
+                if finished[k]:
+                    continue
+                delta = c.text[sent_text[k]:]
+                new_ids = c.token_ids[sent_tokens[k]:]
+                if not (delta or c.finish_reason or (req.logprobs and new_ids)):
+                    continue  # nothing visible yet (e.g. text held back for a stop string)
+                lp = None
+                if req.logprobs:
+                    entries = (c.logprobs or [])[sent_tokens[k]:len(c.token_ids)]
+                    lp = chat_logprobs(new_ids, entries, req.top_logprobs or 0, ctx.decode)
+                sent_text[k], sent_tokens[k] = len(c.text), len(c.token_ids)
+                finished[k] = c.finish_reason is not None
+                choices.append(ChatStreamChoice(index=k, delta=DeltaMessage(content=delta),
+                                                logprobs=lp, finish_reason=c.finish_reason,
+                                                stop_reason=c.stop_reason))
+            if choices:
+                yield chunk(choices)
+        if include_usage and final is not None:
+            prompt_tokens = len(final.prompt_token_ids)
+            completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+            yield chunk([], UsageInfo(prompt_tokens=prompt_tokens,
+                                      completion_tokens=completion_tokens,
+                                      total_tokens=prompt_tokens + completion_tokens))
+    except (EngineDeadError, ValueError) as exc:
+        status = 503 if isinstance(exc, EngineDeadError) else 400
+        yield sse(error_body(OpenAIError(str(exc), status)))
+    yield SSE_DONE

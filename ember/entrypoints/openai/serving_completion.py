@@ -1,0 +1,188 @@
+"""/v1/completions: prompts (text, token ids, or lists of either) -> choices, streamed or not.
+
+Choice `i * n + j` is sample j of prompt i (OpenAI's numbering). Streams send, per choice, the new
+suffix of the engine's cumulative, append-only text, so concatenated deltas equal the final text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ember.core.async_engine import EngineDeadError
+from ember.entrypoints.openai.errors import OpenAIError, error_body
+from ember.entrypoints.openai.logprobs import append_completion_logprobs
+from ember.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from ember.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    EventStreamResponse,
+    ServingContext,
+    check_stream_options,
+    merge_generators,
+    sampling_params,
+    sse,
+    until_disconnect,
+)
+from ember.outputs import CompletionOutput, RequestOutput
+
+MAX_SEQUENCES = 1024  # prompts x n in one request
+
+
+def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | None, list[int]]]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [list(prompt)]
+    else:
+        items = list(prompt)
+    if not items:
+        raise OpenAIError("prompt must not be empty", 400, param="prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            ids = ctx.encode(item, req.add_special_tokens)
+            out.append((item, ctx.check_tokens(ids)))
+        else:
+            out.append((None, ctx.check_tokens(list(item))))
+    return out
+
+
+async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingContext) -> Response:
+    model = ctx.check_model(req.model)
+    if req.suffix:
+        raise OpenAIError("suffix is not supported", 400, param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise OpenAIError("best_of must equal n (beam-style best_of is not supported)", 400,
+                          param="best_of")
+    include_usage = check_stream_options(req)
+    prompts = _prompts(req, ctx)
+    if len(prompts) * req.n > MAX_SEQUENCES:
+        raise OpenAIError(f"at most {MAX_SEQUENCES} sequences (prompts x n) per request", 400,
+                          param="n")
+    echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    params = [
+        sampling_params(req, ctx, ctx.check_length(len(ids), req.max_tokens, "prompt"),
+                        req.logprobs, echo_logprobs)
+        for _, ids in prompts
+    ]
+    request_id = req.request_id or random_id("cmpl")
+    arrival = time.time()
+    gens = [
+        ctx.engine.generate({"prompt_token_ids": ids, "prompt": text} if text else
+                            {"prompt_token_ids": ids}, sp, f"{request_id}-{i}", arrival)
+        for i, ((text, ids), sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+    if req.stream:
+        return EventStreamResponse(
+            _stream(req, ctx, model, request_id, prompts, gens, include_usage)
+        )
+    response = await until_disconnect(raw, _full(req, ctx, model, request_id, prompts, gens))
+    if response is None:
+        return Response(status_code=499)  # the client left; nobody reads this
+    return JSONResponse(response.model_dump())
+
+
+def _echo_text(ctx: ServingContext, text: str | None, ids: list[int]) -> str:
+    return text if text is not None else ctx.decode(ids)
+
+
+def _echo_logprobs(ctx, lp: CompletionLogProbs, ids: list[int], out: RequestOutput) -> int:
+    entries = out.prompt_logprobs or [None] * len(ids)
+    return append_completion_logprobs(lp, ids, entries, 0, ctx.decode)
+
+
+async def _full(req, ctx: ServingContext, model, request_id, prompts, gens) -> CompletionResponse:
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for i, out in merge_generators(gens):
+            if out.finished:
+                finals[i] = out
+    except ValueError as exc:
+        raise OpenAIError(str(exc), 400) from exc
+    choices, usage = [], UsageInfo()
+    for i, (text, ids) in enumerate(prompts):
+        out = finals[i]
+        usage.prompt_tokens += len(ids)
+        for c in out.outputs:
+            usage.completion_tokens += len(c.token_ids)
+            body = (_echo_text(ctx, text, ids) if req.echo else "") + c.text
+            lp = None
+            if req.logprobs is not None:
+                lp = CompletionLogProbs()
+                offset = _echo_logprobs(ctx, lp, ids, out) if req.echo else 0
+                append_completion_logprobs(lp, c.token_ids, c.logprobs or [], offset, ctx.decode)
+            choices.append(CompletionChoice(index=i * req.n + c.index, text=body, logprobs=lp,
+                                            finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason))
+    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+    choices.sort(key=lambda c: c.index)
+    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+
+class _ChoiceState:
+    __slots__ = ("text", "tokens", "offset", "finished", "echoed")
+
+    def __init__(self) -> None:
+        self.text = self.tokens = self.offset = 0
+        self.finished = self.echoed = False
+
+
+async def _stream(
+    req, ctx: ServingContext, model, request_id, prompts, gens, include_usage: bool
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    states = [_ChoiceState() for _ in range(len(prompts) * req.n)]
+    usage = UsageInfo(prompt_tokens=sum(len(ids) for _, ids in prompts))
+
+    def chunk(index: int, text: str, lp, c: CompletionOutput) -> str:
+        choice = CompletionChoice(index=index, text=text, logprobs=lp,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        return sse(CompletionResponse(id=request_id, created=created, model=model,
+                                      choices=[choice]))
+
+    try:
+        async for i, out in merge_generators(gens):
+            text, ids = prompts[i]
+            for c in out.outputs:
+                state = states[i * req.n + c.index]
+                if state.finished:
+                    continue
+                prefix, lp = "", None
+                if req.logprobs is not None:
+                    lp = CompletionLogProbs()
+                if req.echo and not state.echoed:
+                    prefix = _echo_text(ctx, text, ids)
+                    if lp is not None:
+                        state.offset = _echo_logprobs(ctx, lp, ids, out)
+                delta = c.text[state.text:]
+                new_ids = c.token_ids[state.tokens:]
+                if not (prefix or delta or c.finish_reason or (lp is not None and new_ids)):
+                    continue  # nothing visible yet (e.g. text held back for a stop string)
+                if lp is not None:
+                    entries = (c.logprobs or [])[state.tokens:len(c.token_ids)]
+                    state.offset = append_completion_logprobs(
+                        lp, new_ids, entries, state.offset, ctx.decode)
+                state.text, state.tokens = len(c.text), len(c.token_ids)
+                state.echoed, state.finished = True, c.finish_reason is not None
+                if state.finished:
+                    usage.completion_tokens += len(c.token_ids)
+                yield chunk(i * req.n + c.index, prefix + delta, lp, c)
+        if include_usage:
+            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                         usage=usage))
+    except (EngineDeadError, ValueError) as exc:
+        status = 503 if isinstance(exc, EngineDeadError) else 400
+        yield sse(error_body(OpenAIError(str(exc), status)))
+    yield SSE_DONE

@@ -1,0 +1,118 @@
+"""CudaGraphRunner: decode steps replayed from CUDA graphs captured per padded batch size.
+
+A pure-decode step (every request has one new token) with at most `max_batch_size` requests is
+padded up to the next captured size; its inputs are copied into persistent device buffers that
+the graph reads, and the graph replays the whole model forward in one launch. Padded rows write
+no KV (slot -1) and attend to nothing (seq_len 0). Any attention backend that declares
+`supports_cuda_graphs` works: its prepare_graph_capture hook sizes its persistent workspaces.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ember.attention_backends.base import AttentionMetadata
+from ember.worker.input_batch import FlatBatch
+
+logger = logging.getLogger("ember")
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size]
+    sizes += list(range(16, max_batch_size + 1, 16))
+    if sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    return sizes
+
+
+class CudaGraphRunner:
+    def __init__(self, runner, max_batch_size: int, max_blocks_per_req: int) -> None:
+        self.runner = runner
+        self.sizes = capture_sizes(max_batch_size)
+        self.max_batch_size = self.sizes[-1]
+        device = runner.device
+        n = self.max_batch_size
+
+        def zeros(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.input_ids = zeros(n, dtype=torch.int64)
+        self.positions = zeros(n, dtype=torch.int64)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = zeros(n, dtype=torch.int32)
+        self.block_table = zeros(n, max_blocks_per_req, dtype=torch.int32)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+
+    def _metadata(self, bs: int, max_seq_len: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_actual_tokens=bs,
+            slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_table=self.block_table[:bs],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            query_start_loc_cpu=list(range(bs + 1)),
+            seq_lens_cpu=[1] * bs,
+            num_decode_tokens=bs,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        from ember.layers.attention import ForwardContext
+
+        runner = self.runner
+        backend = runner.attn_backend
+        backend.prepare_graph_capture(self.max_batch_size, self.block_table.shape[1], runner.device)
+        max_len = runner.model_config.max_model_len
+        start = time.perf_counter()
+        self.seq_lens.fill_(1)  # capture-time values: every row reads one (junk) key
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
+            ctx = ForwardContext(attn_metadata=self._metadata(bs, max_len),
+                                 kv_caches=runner.kv_caches)
+            args = (self.input_ids[:bs], self.positions[:bs], ctx)
+            runner.model(*args)  # warm-up: compiles kernels, fills lazy caches
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = runner.model(*args)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.seq_lens.zero_()
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured %d CUDA graphs (batch 1..%d) in %.1f s", len(self.sizes),
+                    self.max_batch_size, self.capture_seconds)
+
+    def can_run(self, batch: FlatBatch) -> bool:
+        num_reqs = len(batch.req_ids)
+        return (
+            bool(self.graphs)
+            and batch.num_decode_tokens == num_reqs
+            and num_reqs <= self.max_batch_size
+            and batch.block_table.shape[1] <= self.block_table.shape[1]
+        )
+
+    def run(self, batch: FlatBatch) -> torch.Tensor:
+        n = len(batch.req_ids)
+        bs = next(s for s in self.sizes if s >= n)
+        stage = self.runner.stager.to_device
+        width = batch.block_table.shape[1]
+        self.input_ids[:n].copy_(stage("input_ids", batch.input_ids, torch.int64), non_blocking=True)
+        self.positions[:n].copy_(stage("positions", batch.positions, torch.int64), non_blocking=True)
+        self.slot_mapping[:n].copy_(stage("slot_mapping", batch.slot_mapping, torch.int64),
+                                    non_blocking=True)
+        self.seq_lens[:n].copy_(stage("seq_lens", batch.seq_lens, torch.int32), non_blocking=True)
+        self.block_table[:n, :width].copy_(stage("block_table", batch.block_table, torch.int32),
+                                           non_blocking=True)
+        if bs > n:  # padding rows: no KV write, no keys to read
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].fill_(0)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
