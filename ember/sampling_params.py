@@ -6,6 +6,15 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 
+class RequestOutputKind(IntEnum):
+    """Which outputs a request yields: every step's cumulative state, only the new part, or only
+    the final result (what offline LLM.generate needs, and the cheapest)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -44,6 +53,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: the tokenizer's eos ids and the request's own stop ids, combined.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

@@ -16,13 +16,18 @@ class GreedyRun:
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> GreedyRun:
     """Plain greedy decoding with HF's model, one prompt at a time (no padding effects)."""
-    ids = torch.tensor([prompt_ids])
+    import inspect
+
+    device = next(model.parameters()).device
+    # transformers renamed past_key_values to cache (5.2x); accept either version.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ids = torch.tensor([prompt_ids], device=device)
     past = None
     out: list[int] = []
     top5: list[dict[int, float]] = []
     with torch.inference_mode():
         for _ in range(max_new_tokens):
-            result = model(input_ids=ids, cache=past, use_cache=True)
+            result = model(input_ids=ids, use_cache=True, **{cache_arg: past})
             past = getattr(result, "cache", None) or result.past_key_values
             logprobs = torch.log_softmax(result.logits[0, -1].float(), dim=-1)
             values, indices = logprobs.topk(5)
@@ -31,7 +36,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[in
             out.append(token)
             if token in eos_ids:
                 break
-            ids = torch.tensor([[token]])
+            ids = torch.tensor([[token]], device=device)
     return GreedyRun(out, top5)
 
 

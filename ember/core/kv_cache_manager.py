@@ -50,6 +50,13 @@ class KVCacheManager:
         computed_blocks: list[KVCacheBlock] | None = None,
     ) -> bool:
         """Make room for num_new_tokens more tokens; False (changing nothing) if blocks run out."""
+        if not computed_blocks:
+            # Fast path for most decode steps: the last block still has room.
+            blocks = self.req_to_blocks.get(request.request_id)
+            total = request.num_computed_tokens + num_new_tokens
+            if blocks is not None and total <= len(blocks) * self.block_size:
+                self._cache_full_blocks(request, blocks, total)
+                return True
         computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -84,8 +91,12 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """Block ids of a request from index `start` on."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])[start:]]
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, ()))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

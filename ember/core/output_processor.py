@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ember.core.request import Request
 from ember.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -102,7 +102,12 @@ class OutputProcessor:
                     stopped.append(request.request_id)
         if stopped:
             stop_cb(stopped)
-        return [self._make_output(p) for p in changed.values()]
+        return [
+            self._make_output(p)
+            for p in changed.values()
+            if p.params.output_kind != RequestOutputKind.FINAL_ONLY
+            or all(c.request.is_finished() for c in p.children)
+        ]
 
     def _add_prompt_logprobs(self, parent: ParentState, entries) -> None:
         if parent.prompt_logprobs is None:

@@ -38,7 +38,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the workers at the next step
-        self._known_to_workers: set[str] = set()
+        self._known_to_workers: dict[str, int] = {}  # req id -> blocks the workers know of
         self.num_preemptions = 0
 
     # ---- request lifecycle -------------------------------------------------------------
@@ -64,7 +64,7 @@ class Scheduler:
         del self.requests[request.request_id]
         if request.request_id in self._known_to_workers:
             self._finished_ids.add(request.request_id)
-            self._known_to_workers.discard(request.request_id)
+            self._known_to_workers.pop(request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -142,17 +142,19 @@ class Scheduler:
         out.num_scheduled_tokens.pop(request.request_id, None)
         if request.request_id in self._known_to_workers:
             out.preempted_req_ids.add(request.request_id)
-            self._known_to_workers.discard(request.request_id)
+            self._known_to_workers.pop(request.request_id, None)
 
     def _describe(self, request: Request, out: SchedulerOutput) -> None:
         req_id = request.request_id
-        block_ids = self.kv.block_ids(req_id)
-        if req_id in self._known_to_workers:
+        known = self._known_to_workers.get(req_id)
+        self._known_to_workers[req_id] = self.kv.num_blocks_of(req_id)
+        if known is not None:
             out.cached_requests.append(
-                CachedRequestData(req_id, block_ids, request.num_computed_tokens)
+                CachedRequestData(req_id, self.kv.block_ids(req_id, known),
+                                  request.num_computed_tokens)
             )
         else:
-            self._known_to_workers.add(req_id)
+            block_ids = self.kv.block_ids(req_id)
             out.new_requests.append(
                 NewRequestData(
                     req_id,

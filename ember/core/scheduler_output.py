@@ -21,10 +21,10 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request the workers already hold: its progress and its (possibly grown) block list."""
+    """A request the workers already hold: its progress and the blocks added since last step."""
 
     req_id: str
-    block_ids: list[int]
+    new_block_ids: list[int]
     num_computed_tokens: int
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from ember.config import EngineArgs
 from ember.inputs import PromptType
 from ember.outputs import RequestOutput
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -47,6 +48,10 @@ class LLM:
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts: "
                     "give one, or one per prompt"
                 )
+        # Offline callers read only final results: skip building per-step outputs.
+        final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                 for p in params_list}
+        params_list = [final[id(p)] for p in params_list]
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):

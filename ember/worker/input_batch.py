@@ -26,10 +26,13 @@ class CachedRequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the two lists."""
         num_prompt = len(self.prompt_token_ids)
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
 
 @dataclass

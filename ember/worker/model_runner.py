@@ -154,7 +154,7 @@ class ModelRunner:
             )
         for cached in out.cached_requests:
             state = self.states[cached.req_id]
-            state.block_ids = cached.block_ids
+            state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _make_generator(self, new) -> torch.Generator | None:

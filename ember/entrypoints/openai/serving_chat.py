@@ -54,6 +54,7 @@ async def create_chat_completion(
     req: ChatCompletionRequest, raw: Request, ctx: ServingContext
 ) -> Response:
     model = ctx.check_model(req.model)
+    await ctx.engine.check_health()  # a dead engine is a 503, even for streams
     _check_unsupported(req)
     include_usage = check_stream_options(req)
     ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt,

@@ -60,6 +60,7 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | No
 
 async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingContext) -> Response:
     model = ctx.check_model(req.model)
+    await ctx.engine.check_health()  # a dead engine is a 503, even for streams
     if req.suffix:
         raise OpenAIError("suffix is not supported", 400, param="suffix")
     if req.best_of is not None and req.best_of != req.n:

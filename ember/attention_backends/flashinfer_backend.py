@@ -1,0 +1,130 @@
+"""The "flashinfer" attention backend: FlashInfer's paged decode and paged prefill wrappers.
+
+FlashInfer kernels need a per-step plan (work partitioning over the batch). The first layer of a
+step plans both wrappers (decode for the leading one-token requests, prefill for the rest) and
+stores the plan on the step's metadata; every later layer reuses it. Planning reads host-side
+lengths, so this backend runs eagerly (no CUDA graphs yet): the triton backend is the graph path.
+KV layout is ember's [2, num_blocks, block_size, kv_heads, head_size], passed to FlashInfer as an
+NHD (k_cache, v_cache) tuple without copying. An optional extra: `pip install ember[flashinfer]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ember.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+_WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass
+class _Plan:
+    metadata: AttentionMetadata
+    decode: Any | None  # a planned BatchDecodeWithPagedKVCacheWrapper
+    prefill: Any | None  # a planned BatchPrefillWithPagedKVCacheWrapper
+
+
+def _paged_indices(metadata: AttentionMetadata, rows: range, page_size: int, device):
+    """indptr / indices / last_page_len of `rows` in FlashInfer's CSR page-table format."""
+    import numpy as np
+    import torch
+
+    seq_lens = np.asarray(metadata.seq_lens_cpu, dtype=np.int64)[rows.start : rows.stop]
+    pages = -(-seq_lens // page_size)
+    indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    row_of_page = np.repeat(np.arange(rows.start, rows.stop), pages)
+    col_of_page = np.arange(indptr[-1]) - np.repeat(indptr[:-1], pages)
+    flat = torch.from_numpy(row_of_page * metadata.block_table.shape[1] + col_of_page)
+    indices = metadata.block_table.reshape(-1).index_select(0, flat.to(device))
+    last = (seq_lens - (pages - 1) * page_size).astype(np.int32)
+    return torch.from_numpy(indptr).to(device), indices, torch.from_numpy(last).to(device)
+
+
+class FlashInferImpl(AttentionImpl):
+    def _plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor, q_dtype) -> _Plan:
+        plan = metadata.backend_data
+        if isinstance(plan, _Plan) and plan.metadata is metadata:
+            return plan
+        import torch
+
+        page_size = kv_cache.shape[2]
+        device = kv_cache.device
+        num_decodes = metadata.num_decode_tokens
+        num_reqs = metadata.num_reqs
+        common = dict(window_left=self.sliding_window - 1 if self.sliding_window else -1,
+                      logits_soft_cap=self.logits_soft_cap, sm_scale=self.scale,
+                      q_data_type=q_dtype, kv_data_type=kv_cache.dtype)
+        decode = prefill = None
+        if num_decodes:
+            decode = FlashInferBackend.wrapper("decode", device, self.num_heads // self.num_kv_heads)
+            indptr, indices, last = _paged_indices(metadata, range(0, num_decodes), page_size, device)
+            decode.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_size,
+                        page_size, pos_encoding_mode="NONE", **common)
+        if num_reqs > num_decodes:
+            prefill = FlashInferBackend.wrapper("prefill", device, 0)
+            qsl = metadata.query_start_loc_cpu
+            qo = torch.tensor([q - qsl[num_decodes] for q in qsl[num_decodes:]], dtype=torch.int32,
+                              device=device)
+            indptr, indices, last = _paged_indices(metadata, range(num_decodes, num_reqs), page_size,
+                                                   device)
+            prefill.plan(qo, indptr, indices, last, self.num_heads, self.num_kv_heads,
+                         self.head_size, page_size, causal=True, **common)
+        plan = _Plan(metadata, decode, prefill)
+        metadata.backend_data = plan
+        return plan
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
+        import torch
+
+        from ember.attention_backends.triton_ops import store_kv
+
+        n = query.shape[0]
+        q = query.view(n, self.num_heads, self.head_size)
+        store_kv(key.view(n, self.num_kv_heads, self.head_size),
+                 value.view(n, self.num_kv_heads, self.head_size), kv_cache, metadata.slot_mapping)
+        plan = self._plan(metadata, kv_cache, q.dtype)
+        out = torch.empty(n, self.num_heads, self.head_size, dtype=q.dtype, device=q.device)
+        caches = (kv_cache[0], kv_cache[1])
+        nd = metadata.num_decode_tokens
+        if plan.decode is not None:
+            plan.decode.run(q[:nd], caches, out=out[:nd])
+        if plan.prefill is not None:
+            end = metadata.num_actual_tokens
+            plan.prefill.run(q[nd:end], caches, out=out[nd:end])
+        return out.view(n, self.num_heads * self.head_size)
+
+
+class FlashInferBackend(AttentionBackend):
+    name: ClassVar[str] = "flashinfer"
+    supports_cuda_graphs: ClassVar[bool] = False
+    _wrappers: ClassVar[dict[tuple, Any]] = {}
+    _workspace: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def impl_cls(cls) -> type[AttentionImpl]:
+        return FlashInferImpl
+
+    @classmethod
+    def wrapper(cls, kind: str, device, group_size: int):
+        """One wrapper per kind and device, sharing one workspace buffer (steps are serial)."""
+        key = (kind, str(device), group_size >= 4)
+        if key not in cls._wrappers:
+            import flashinfer
+            import torch
+
+            ws = cls._workspace.get(str(device))
+            if ws is None:
+                ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+                cls._workspace[str(device)] = ws
+            if kind == "decode":
+                # Tensor cores pay off once several query heads share a kv head.
+                cls._wrappers[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    ws, "NHD", use_tensor_cores=group_size >= 4)
+            else:
+                cls._wrappers[key] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        return cls._wrappers[key]
