@@ -54,12 +54,23 @@ def run_ember(ns, workload) -> tuple[dict, object]:
     assert generated == workload.num_output_tokens, "ember generated fewer tokens than asked"
     # Single stream: one request, decode only (time per token after the first).
     single = SamplingParams(max_tokens=ns.single_output_len, ignore_eos=True, detokenize=False)
-    out = llm.generate([prompts[0]], single, use_tqdm=False)[0]
+    one = {"prompt_token_ids": workload.prompts[0][: ns.single_input_len]}
+    llm.generate([one], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    out = llm.generate([one], single, use_tqdm=False)[0]
     metrics = out.metrics
     decode_time = metrics.last_token_time - metrics.first_token_time
     single_tps = (len(out.outputs[0].token_ids) - 1) / decode_time
     engine = llm.llm_engine
+    executor = engine.executor
+    peak = None
+    if str(executor.runner.device).startswith("cuda"):
+        import torch
+
+        peak = torch.cuda.max_memory_allocated() / 2**30
     return {
+        "backend": executor.attn_backend.name,
+        "cuda_graph_capture_s": getattr(executor, "graph_capture_seconds", 0.0),
+        "peak_memory_gib": peak,
         "startup_s": startup,
         "elapsed_s": elapsed,
         "output_tok_s": generated / elapsed,
@@ -70,18 +81,15 @@ def run_ember(ns, workload) -> tuple[dict, object]:
     }, llm
 
 
-def run_hf(ns, workload, llm) -> dict:
-    """HF transformers generate with the weights ember loaded (same tensors, HF's model code)."""
+def run_hf(ns, workload, cfg, dtype, device) -> dict:
+    """HF transformers generate on the same weights (read again from disk; random for dummy)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    engine = llm.llm_engine
-    cfg = engine.model_config
-    dtype = engine.executor.runner.dtype
-    device = engine.executor.runner.device
     hf_config = cfg.hf_config
     hf_config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype).to(device).eval()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
     if ns.load_format != "dummy":
         from ember.bench.hf_weights import ember_weights_for_hf
 
@@ -96,15 +104,15 @@ def run_hf(ns, workload, llm) -> dict:
     gen_kwargs = dict(do_sample=False, min_new_tokens=out_len, max_new_tokens=out_len,
                       pad_token_id=pad)
     with torch.inference_mode():
-        model.generate(ids[:1, :8], attention_mask=mask[:1, :8], max_new_tokens=2, do_sample=False,
-                       pad_token_id=pad)  # warm-up
+        model.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=2,
+                       do_sample=False, pad_token_id=pad)  # warm-up
         _sync(str(device))
         start = time.perf_counter()
         model.generate(ids, attention_mask=mask, **gen_kwargs)
         _sync(str(device))
         elapsed = time.perf_counter() - start
         steps = ns.single_output_len
-        one = ids[:1, -len(prompts[0]):]
+        one = torch.tensor([prompts[0][: ns.single_input_len]], device=device)
         t0 = time.perf_counter()
         model.generate(one, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=pad)
         _sync(str(device))
@@ -138,12 +146,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--single-output-len", type=int, default=64)
+    parser.add_argument("--single-input-len", type=int, default=128)
     parser.add_argument("--no-baseline", action="store_true", help="skip HF transformers")
     parser.add_argument("--hf-num-requests", type=int, default=64)
     parser.add_argument("--hf-output-len", type=int, default=128)
     parser.add_argument("--no-tqdm", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def _release_memory(device: str) -> None:
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def _span(values: list[int]) -> tuple[int, int]:
@@ -163,8 +182,12 @@ def main(ns: argparse.Namespace) -> int:
     workload = random_workload(ns.num_prompts, _span(ns.input_len), _span(ns.output_len), vocab,
                                ns.seed)
     result["ember"], llm = run_ember(ns, workload)
+    runner = llm.llm_engine.executor.runner
+    cfg, dtype, device = llm.llm_engine.model_config, runner.dtype, runner.device
+    del llm, runner  # free ember's KV cache and graphs before HF needs the memory
+    _release_memory(str(device))
     if not ns.no_baseline:
-        result["hf"] = run_hf(ns, workload, llm)
+        result["hf"] = run_hf(ns, workload, cfg, dtype, device)
         result["ratio_throughput"] = result["ember"]["output_tok_s"] / result["hf"]["output_tok_s"]
         result["ratio_single_stream"] = (
             result["ember"]["single_stream_decode_tok_s"] / result["hf"]["single_stream_decode_tok_s"]

@@ -56,7 +56,7 @@ class CudaPlatform(Platform):
     name: ClassVar[str] = "cuda"
     device_type: ClassVar[str] = "cuda"
     # Provisional order; the lead settles it from GPU measurements (docs/benchmarks.md).
-    preferred_attention_backends: ClassVar[list[str]] = ["flashinfer", "triton", "sdpa"]
+    preferred_attention_backends: ClassVar[list[str]] = ["triton", "flashinfer", "sdpa"]
     supported_dtypes: ClassVar[list[str]] = ["bfloat16", "float16", "float32"]
     default_dtype: ClassVar[str] = "bfloat16"
     supports_cuda_graphs: ClassVar[bool] = True

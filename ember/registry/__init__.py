@@ -146,7 +146,7 @@ _BUILTIN_BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
                 "requires": ["triton"], "env_devices": {"TRITON_INTERPRET=1": ["cpu"]}}),
     "flashinfer": ("ember.attention_backends.flashinfer_backend:FlashInferBackend",
                    {"devices": ["cuda"], "dtypes": _HALF, "head_sizes": [64, 128, 256],
-                    "sliding_window": False, "cuda_graphs": True, "priority": 20,
+                    "sliding_window": True, "cuda_graphs": False, "priority": 20,
                     "requires": ["flashinfer"]}),
 }
 _BUILTIN_QUANTIZATION: dict[str, str] = {}  # filled in as ember.quantization's methods land

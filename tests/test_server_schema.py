@@ -1,0 +1,73 @@
+"""Schemathesis against /openapi.json of the live server: generated requests (valid and
+invalid) never get a 5xx. Bounded for CI: few examples per operation, and generation lengths
+clamped so each example costs at most a few decode steps.
+
+Cases are drawn with hypothesis from schemathesis' per-operation strategies (its pytest plugin
+does not load under this pytest version).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from server_utils import shared_server  # noqa: E402
+
+MAX_EXAMPLES = 150
+OPERATIONS = [
+    ("/v1/completions", "POST"),
+    ("/v1/chat/completions", "POST"),
+    ("/v1/embeddings", "POST"),
+    ("/tokenize", "POST"),
+    ("/detokenize", "POST"),
+    ("/v1/models", "GET"),
+    ("/v1/models/{model}", "GET"),
+    ("/health", "GET"),
+    ("/version", "GET"),
+    ("/metrics", "GET"),
+]
+
+
+@pytest.fixture(scope="module")
+def api_schema():
+    server = shared_server()
+    schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
+    listed = {(op.ok().path, op.ok().method.upper()) for op in schema.get_all_operations()}
+    assert listed == set(OPERATIONS), listed  # a new endpoint must be added here
+    return schema
+
+
+def _clamp(body: dict) -> None:
+    """Keep every generated request cheap: the point is input handling, not long generations."""
+    for key in ("n", "best_of"):
+        if isinstance(body.get(key), int) and body[key] > 2:
+            body[key] = 2
+    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        if isinstance(body.get(key), int) and body[key] > 4:
+            body[key] = 4
+    if "messages" in body and body.get("max_tokens") is None:
+        body["max_tokens"] = 4  # chat's default is "up to the context length"
+    if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 3:
+        body["prompt"] = body["prompt"][:3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+@pytest.mark.parametrize("path,method", OPERATIONS)
+def test_no_server_errors(api_schema, path, method, mode):
+    if mode == "negative" and method != "POST":
+        pytest.skip("no body or parameters to make invalid")
+    operation = api_schema[path][method]
+    strategy = operation.as_strategy(schemathesis.GenerationMode(mode))
+
+    @given(case=strategy)
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    def check(case) -> None:
+        if isinstance(case.body, dict):
+            _clamp(case.body)
+        response = case.call(timeout=120)
+        assert response.status_code < 500, (case.body, response.status_code, response.text[:500])
+
+    check()
