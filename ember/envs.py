@@ -53,3 +53,8 @@ def disable_progress_bars() -> bool:
 def api_key() -> str | None:
     """EMBER_API_KEY: the key `ember serve` requires on /v1/* (same as --api-key)."""
     return _str("EMBER_API_KEY")
+
+
+def step_timing() -> bool:
+    """EMBER_STEP_TIMING=1: time each engine phase per step (see ember.core.step_timer)."""
+    return _flag("EMBER_STEP_TIMING")

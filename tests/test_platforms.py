@@ -149,28 +149,58 @@ def test_cpu_picks_sdpa_and_explains():
     assert any(x.startswith("triton: rejected, runs on ['cuda']") for x in lines)
 
 
-def test_cuda_order_and_capability_rejections(monkeypatch):
-    cuda = CudaPlatform()
+class GpuLike(CudaPlatform):
+    """A CUDA-like platform of its own device type, so only the test's backends fit it (the
+    built-ins' order and capabilities are tuned from GPU measurements and may change)."""
+
+    name = "gpu_like"
+    device_type = "gpu_like"
+    preferred_attention_backends = ["fast", "general", "ref"]
+
+
+def _register_gpu_backends():
+    AttentionBackendRegistry.register_backend(
+        "fast", "m:Fast", devices=["gpu_like"], dtypes=["float16", "bfloat16"],
+        head_sizes=[64, 128, 256], cuda_graphs=True, requires=["fast_kernels_pkg"])
+    AttentionBackendRegistry.register_backend(
+        "general", "m:General", devices=["gpu_like"], dtypes=["float32", "float16", "bfloat16"],
+        head_sizes=[16, 32, 64, 128, 256], sliding_window=True, cuda_graphs=True)
+    AttentionBackendRegistry.register_backend(
+        "ref", "m:Ref", devices=["gpu_like"], dtypes=["float32", "float16", "bfloat16"],
+        sliding_window=True)
+
+
+def test_platform_order_and_capability_rejections(monkeypatch):
+    _register_gpu_backends()
+    gpu = GpuLike()
     monkeypatch.setattr("ember.attention_backends.selector._module_missing", lambda m: False)
-    name, lines = rank_attention_backends(cuda, dtype="bf16", head_size=128)
-    assert name == "flashinfer"
-    assert "triton: suitable, but flashinfer comes first (#2 in cuda's preference)" in lines
-    name, lines = rank_attention_backends(cuda, dtype="float32", head_size=128)
-    assert name == "triton" and any("flashinfer: rejected, dtype float32" in x for x in lines)
-    name, lines = rank_attention_backends(cuda, dtype="bfloat16", head_size=96)
-    assert name == "sdpa" and any("triton: rejected, head size 96" in x for x in lines)
-    name, _ = rank_attention_backends(cuda, dtype="bfloat16", head_size=128, sliding_window=True)
-    assert name == "triton"
+    name, lines = rank_attention_backends(gpu, dtype="bf16", head_size=128)
+    assert name == "fast"
+    assert "general [user]: suitable, but fast comes first (#2 in gpu_like's preference)" in lines
+    assert any(x.startswith("sdpa: rejected, runs on ['cpu', 'cuda']") for x in lines)
+    name, lines = rank_attention_backends(gpu, dtype="float32", head_size=128)
+    assert name == "general" and any("fast [user]: rejected, dtype float32" in x for x in lines)
+    name, lines = rank_attention_backends(gpu, dtype="bfloat16", head_size=96)
+    assert name == "ref" and any("general [user]: rejected, head size 96" in x for x in lines)
+    name, _ = rank_attention_backends(gpu, dtype="bfloat16", head_size=128, sliding_window=True)
+    assert name == "general"
     with pytest.raises(ValueError, match="no attention backend can run this model"):
-        rank_attention_backends(cuda, dtype="float32", head_size=96, need_cuda_graphs=True)
+        rank_attention_backends(gpu, dtype="float32", head_size=96, need_cuda_graphs=True)
 
 
-def test_missing_module_rejects_without_importing(monkeypatch):
-    monkeypatch.setattr("ember.attention_backends.selector._module_missing",
-                        lambda m: m == "flashinfer")
+def test_missing_module_rejects_without_importing():
+    _register_gpu_backends()
+    name, lines = rank_attention_backends(GpuLike(), dtype="bf16", head_size=128)
+    assert name == "general"
+    assert "fast [user]: rejected, needs fast_kernels_pkg, not installed" in lines
+
+
+def test_builtin_cuda_candidates_are_all_considered(monkeypatch):
+    monkeypatch.setattr("ember.attention_backends.selector._module_missing", lambda m: False)
     name, lines = rank_attention_backends(CudaPlatform(), dtype="bf16", head_size=128)
-    assert name == "triton"
-    assert "flashinfer: rejected, needs flashinfer, not installed" in lines
+    assert name == CudaPlatform.preferred_attention_backends[0]
+    for backend in ("flashinfer", "triton", "sdpa"):
+        assert any(x.startswith(backend + ":") for x in lines)
 
 
 def test_override_argument_and_env(monkeypatch):

@@ -26,7 +26,7 @@ from ember.attention_backends.base import AttentionBackend, AttentionImpl, Atten
 # an mmap whose pages fault in on every layer, which costs as much as the copy itself. Layers run
 # one after another, so one grow-only buffer per dtype serves them all. Other devices have a
 # caching allocator already (and a hidden persistent buffer would upset memory profiling).
-_WORKSPACES: dict[torch.dtype, torch.Tensor] = {}
+_WORKSPACES: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
 
 
 def release_workspaces() -> None:
@@ -37,7 +37,9 @@ def release_workspaces() -> None:
 def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
-    key = dtype
+    # An inference-mode tensor cannot be written outside inference mode (and vice versa is
+    # fine but keep them apart): one buffer per mode.
+    key = (dtype, torch.is_inference_mode_enabled())
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < numel:
         buf = None  # drop every reference to the old buffer before allocating the new one

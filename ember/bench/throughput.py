@@ -47,10 +47,14 @@ def run_ember(ns, workload) -> tuple[dict, object]:
     ]
     # Warm-up (kernels, allocator) on a short slice of the workload.
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
+    timer = llm.llm_engine.timer
+    timer.seconds.clear()
+    timer.steps = 0
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not ns.no_tqdm)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    timing = {"num_steps": timer.steps, **timer.summary()} if timer.enabled else None
     assert generated == workload.num_output_tokens, "ember generated fewer tokens than asked"
     # Single stream: one request, decode only (time per token after the first).
     single = SamplingParams(max_tokens=ns.single_output_len, ignore_eos=True, detokenize=False)
@@ -78,6 +82,7 @@ def run_ember(ns, workload) -> tuple[dict, object]:
         "single_stream_decode_tok_s": single_tps,
         "kv_cache_tokens": engine.num_total_blocks() * engine.args.block_size,
         "num_preemptions": engine.scheduler.num_preemptions,
+        "step_phase_ms": timing,
     }, llm
 
 
@@ -111,7 +116,7 @@ def run_hf(ns, workload, cfg, dtype, device) -> dict:
         model.generate(ids, attention_mask=mask, **gen_kwargs)
         _sync(str(device))
         elapsed = time.perf_counter() - start
-        steps = ns.single_output_len
+        steps = ns.hf_single_output_len or ns.single_output_len  # HF is slow: may be trimmed
         one = torch.tensor([prompts[0][: ns.single_input_len]], device=device)
         t0 = time.perf_counter()
         model.generate(one, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=pad)
@@ -150,6 +155,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-baseline", action="store_true", help="skip HF transformers")
     parser.add_argument("--hf-num-requests", type=int, default=64)
     parser.add_argument("--hf-output-len", type=int, default=128)
+    parser.add_argument("--hf-single-output-len", type=int, default=None,
+                        help="HF's single-stream length (default: --single-output-len)")
     parser.add_argument("--no-tqdm", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the results as JSON here")

@@ -46,6 +46,11 @@ class LLMEngine:
             self.max_model_len,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        from ember import envs
+        from ember.core.step_timer import StepTimer
+
+        self.timer = StepTimer(envs.step_timing())
+        self.executor.runner.timer = self.timer
         self._counter = 0
         logger.info(
             "engine ready in %.1f s: %s (%s, %s), KV cache %d blocks x %d tokens, backend %s",
@@ -171,16 +176,22 @@ class LLMEngine:
 
     # ---- stepping ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        timer = self.timer
+        timer.start()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        result = self.executor.execute_model(scheduler_output)
+        timer.mark("schedule")
+        result = self.executor.execute_model(scheduler_output)  # marks prepare and wait
         touched = self.scheduler.update_from_output(scheduler_output, result)
-        return self.output_processor.process(
+        timer.mark("update")
+        outputs = self.output_processor.process(
             touched,
             result,
             lambda ids: self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED),
         )
+        timer.mark("output")
+        return outputs
 
     # ---- introspection -----------------------------------------------------------------
     def num_free_blocks(self) -> int:

@@ -139,6 +139,7 @@ def build_step_metadata(
     return md, order
 
 
+@torch.inference_mode()  # as the engine's model runner calls backends
 def _run(backend: type[AttentionBackend], case: dict[str, Any], scenario: Scenario,
          inputs: list[list[tuple[torch.Tensor, ...]]], device: torch.device,
          dtype: torch.dtype, num_blocks: int, seed: int) -> tuple[list, list]:

@@ -46,6 +46,7 @@ def _hf_reference(model, prompts: list[list[int]], max_new_tokens: int):
     return sequences, logits
 
 
+@torch.inference_mode()  # as the engine's model runner runs models
 def run_ember_logits(model, backend, sequences: list[list[int]], prompt_lens: list[int],
                      device: torch.device, dtype: torch.dtype, block_size: int = 16):
     """Logits at every position, run as the engine does: one prefill batch, then decodes."""
@@ -69,10 +70,9 @@ def run_ember_logits(model, backend, sequences: list[list[int]], prompt_lens: li
         for i, n in order:
             ids += sequences[i][done[i]: done[i] + n]
             pos += list(range(done[i], done[i] + n))
-        with torch.no_grad():
-            hidden = model(torch.tensor(ids, device=device), torch.tensor(pos, device=device),
-                           ForwardContext(attn_metadata=md, kv_caches=caches))
-            logits = model.compute_logits(hidden).float().cpu()
+        hidden = model(torch.tensor(ids, device=device), torch.tensor(pos, device=device),
+                       ForwardContext(attn_metadata=md, kv_caches=caches))
+        logits = model.compute_logits(hidden).float().cpu()
         row = 0
         for i, n in order:
             results[i].append(logits[row: row + n])

@@ -16,8 +16,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
+    num_computed_tokens: int  # (block ids live in BlockTableRows)
     generator: torch.Generator | None = None
     prompt_logprobs_done: int = 0  # prompt positions whose logprobs were already returned
 
@@ -52,44 +51,90 @@ class FlatBatch:
     logits_indices: np.ndarray | None = None  # flat token index of each sampling row
 
 
+class BlockTableRows:
+    """A persistent host block table: one row per request, grown in place as blocks are added,
+    so building a step copies rows with one fancy index instead of converting Python lists."""
+
+    def __init__(self, num_rows: int = 64, width: int = 64) -> None:
+        self.table = np.zeros((num_rows, width), dtype=np.int32)
+        self.row_of: dict[str, int] = {}
+        self.length: dict[str, int] = {}
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    def set(self, req_id: str, block_ids: list[int]) -> None:
+        if req_id not in self.row_of:
+            if not self._free:
+                old = self.table.shape[0]
+                self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+                self._free = list(range(2 * old - 1, old - 1, -1))
+            self.row_of[req_id] = self._free.pop()
+        self.length[req_id] = 0
+        self.append(req_id, block_ids)
+
+    def append(self, req_id: str, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        row, start = self.row_of[req_id], self.length[req_id]
+        end = start + len(block_ids)
+        if end > self.table.shape[1]:
+            grown = np.zeros((self.table.shape[0], max(end, 2 * self.table.shape[1])), np.int32)
+            grown[:, : self.table.shape[1]] = self.table
+            self.table = grown
+        self.table[row, start:end] = block_ids
+        self.length[req_id] = end
+
+    def remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.length.pop(req_id)
+            self._free.append(row)
+
+
 def build_flat_batch(
-    states: dict[str, CachedRequestState], num_scheduled: dict[str, int], block_size: int
+    states: dict[str, CachedRequestState],
+    num_scheduled: dict[str, int],
+    block_size: int,
+    tables: BlockTableRows,
 ) -> FlatBatch:
     # Decodes (one new token) first: backends split the batch there.
     req_ids = sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)
-    query_lens = np.array([num_scheduled[r] for r in req_ids], dtype=np.int64)
-    num_tokens = int(query_lens.sum())
-    input_ids = np.empty(num_tokens, dtype=np.int64)
-    positions = np.empty(num_tokens, dtype=np.int64)
-    seq_lens = np.empty(len(req_ids), dtype=np.int32)
-    max_blocks = max(len(states[r].block_ids) for r in req_ids)
-    block_table = np.zeros((len(req_ids), max_blocks), dtype=np.int32)
+    num_reqs = len(req_ids)
+    rows = [states[r] for r in req_ids]
+    counts = [num_scheduled[r] for r in req_ids]
+    starts = [s.num_computed_tokens for s in rows]
+    tokens: list[int] = []
     sample_rows, logits_indices = [], []
     offset = 0
-    for row, req_id in enumerate(req_ids):
-        state = states[req_id]
-        start, count = state.num_computed_tokens, int(query_lens[row])
+    for row, (state, start, count) in enumerate(zip(rows, starts, counts)):
         end = start + count
-        input_ids[offset : offset + count] = state.token_slice(start, end)
-        positions[offset : offset + count] = np.arange(start, end)
-        seq_lens[row] = end
-        block_table[row, : len(state.block_ids)] = state.block_ids
+        if count == 1 and end == state.num_tokens:  # the common decode: the last known token
+            tokens.append(state.output_token_ids[-1] if state.output_token_ids
+                          else state.prompt_token_ids[-1])
+        else:
+            tokens.extend(state.token_slice(start, end))
+        offset += count
         if end == state.num_tokens:  # caught up with every known token: sample the next one
             sample_rows.append(row)
-            logits_indices.append(offset + count - 1)
-        offset += count
-    query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
+            logits_indices.append(offset - 1)
+    query_lens = np.array(counts, dtype=np.int64)
+    start_arr = np.array(starts, dtype=np.int64)
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start_loc[1:])
-    request_of_token = np.repeat(np.arange(len(req_ids)), query_lens)
-    block_index = positions // block_size
+    request_of_token = np.repeat(np.arange(num_reqs), query_lens)
+    positions = (np.arange(offset) - query_start_loc[:-1][request_of_token]
+                 + start_arr[request_of_token])
+    seq_lens = (start_arr + query_lens).astype(np.int32)
+    max_blocks = max(tables.length[r] for r in req_ids)
+    table_rows = np.array([tables.row_of[r] for r in req_ids])
+    block_table = tables.table[table_rows, :max_blocks]
     slot_mapping = (
-        block_table[request_of_token, block_index].astype(np.int64) * block_size
+        block_table[request_of_token, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
     return FlatBatch(
         req_ids=req_ids,
         query_lens=query_lens,
-        input_ids=input_ids,
+        input_ids=np.array(tokens, dtype=np.int64),
         positions=positions,
         slot_mapping=slot_mapping,
         query_start_loc=query_start_loc,

@@ -9,11 +9,27 @@ import torch
 from ember.attention_backends.base import AttentionBackend, AttentionMetadata
 from ember.config import ModelConfig
 from ember.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from ember.worker.input_batch import CachedRequestState, FlatBatch, build_flat_batch
+from ember.worker.input_batch import (
+    BlockTableRows,
+    CachedRequestState,
+    FlatBatch,
+    build_flat_batch,
+)
 
 logger = logging.getLogger("ember")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _plain_greedy(params, num_output: int) -> bool:
+    return (
+        params.temperature == 0.0
+        and params.logprobs is None
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and num_output >= params.min_tokens
+    )
 
 
 class ModelRunner:
@@ -32,6 +48,10 @@ class ModelRunner:
         self.block_size = block_size
         self.show_progress = show_progress
         self.states: dict[str, CachedRequestState] = {}
+        self.tables = BlockTableRows()
+        from ember.core.step_timer import StepTimer
+
+        self.timer = StepTimer(False)  # the engine hands in its own
         self.kv_caches: list[torch.Tensor] = []
         self.model: torch.nn.Module | None = None
         self.graph_runner = None
@@ -135,11 +155,13 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
             self.states.pop(req_id, None)
+            self.tables.remove(req_id)
         for req_id in out.preempted_req_ids:
             # Keep the generator so a resumed seeded request continues its random stream.
             state = self.states.get(req_id)
             if state is not None:
-                state.block_ids, state.num_computed_tokens = [], 0
+                state.num_computed_tokens = 0
+                self.tables.set(req_id, [])
         for new in out.new_requests:
             old = self.states.get(new.req_id)
             generator = old.generator if old is not None else self._make_generator(new)
@@ -148,13 +170,13 @@ class ModelRunner:
                 list(new.prompt_token_ids),
                 list(new.output_token_ids),
                 new.sampling_params,
-                list(new.block_ids),
                 new.num_computed_tokens,
                 generator,
             )
+            self.tables.set(new.req_id, new.block_ids)
         for cached in out.cached_requests:
             state = self.states[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            self.tables.append(cached.req_id, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _make_generator(self, new) -> torch.Generator | None:
@@ -190,7 +212,8 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if out.is_empty:
             return result
-        batch = build_flat_batch(self.states, out.num_scheduled_tokens, self.block_size)
+        batch = build_flat_batch(self.states, out.num_scheduled_tokens, self.block_size,
+                                 self.tables)
         self.stager.begin()
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             hidden = self.graph_runner.run(batch)
@@ -213,6 +236,16 @@ class ModelRunner:
         rows = [self.states[batch.req_ids[row]] for row in batch.sample_rows]
         indices = self._stage("logits_indices", batch.logits_indices, torch.int64)
         logits = self.model.compute_logits(hidden[indices])  # type: ignore[union-attr]
+        if all(_plain_greedy(s.sampling_params, len(s.output_token_ids)) for s in rows):
+            # Nothing to build: no penalties, masks or logprobs, just the argmax.
+            token_ids = logits.argmax(dim=-1)
+            self.timer.mark("prepare")
+            token_ids = token_ids.tolist()
+            self.timer.mark("wait")
+            for state, token in zip(rows, token_ids):
+                state.output_token_ids.append(token)
+                result.sampled_token_ids[state.req_id] = token
+            return
         metadata = build_sampling_metadata(
             [s.sampling_params for s in rows],
             [s.output_token_ids for s in rows],
@@ -222,7 +255,9 @@ class ModelRunner:
             self.device,
         )
         sampled = self.sampler(logits, metadata)
+        self.timer.mark("prepare")
         token_ids = sampled.sampled_token_ids.tolist()  # the step's one device-to-host sync
+        self.timer.mark("wait")
         lp = sampled.logprobs
         if lp is not None:
             lp_ids, lp_values, lp_ranks = (
