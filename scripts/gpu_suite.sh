@@ -2,22 +2,9 @@
 # One device run (the lent H200): GPU tests, attention-kernel and engine benchmarks.
 # Usage there: scripts/gpu_suite.sh  (with .whl carried; results under $OUT)
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ember-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD FLASHINFER_CUDA_ARCH_LIST=9.0a EMBER_DISABLE_PROGRESS=1
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-LOG=$OUT/suite.log
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
-stage() {  # stage NAME SECONDS CMD...: run with a time limit, log, report
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  echo "=== $name (limit ${limit}s)" >>"$LOG"
-  timeout "$limit" "$@" >>"$LOG" 2>&1
-  echo "=== $name rc=$? in $((SECONDS - t0))s" | tee -a "$LOG"
-}
-BENCH="python3 -m ember.entrypoints.cli bench throughput --load-format dummy --no-tqdm"
+LOG_NAME=suite.log
+source "$(dirname "$0")/gpu_common.sh"
+LOG=$OUT/$LOG_NAME
 stage ceilings 40 python3 benchmarks/ceilings.py "$OUT/ceilings.json"
 stage gpu_tests 150 python3 -m pytest -q -m gpu tests/test_gpu_engine.py -p no:cacheprovider \
   --junitxml="$OUT/gpu_tests.xml"

@@ -2,21 +2,9 @@
 # Second, shorter device run: the GPU tests not yet shown, and a per-phase step profile of the
 # Qwen3-0.6B throughput run and of batch-1 decode (EMBER_STEP_TIMING=1).
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ember-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD FLASHINFER_CUDA_ARCH_LIST=9.0a EMBER_DISABLE_PROGRESS=1
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-LOG=$OUT/suite2.log
-stage() {
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  echo "=== $name (limit ${limit}s)" >>"$LOG"
-  timeout "$limit" "$@" >>"$LOG" 2>&1
-  echo "=== $name rc=$? in $((SECONDS - t0))s" | tee -a "$LOG"
-}
-BENCH="python3 -m ember.entrypoints.cli bench throughput --load-format dummy --no-tqdm"
+LOG_NAME=suite2.log
+source "$(dirname "$0")/gpu_common.sh"
+LOG=$OUT/$LOG_NAME
 stage gpu_tests 140 python3 -m pytest -v -m gpu tests/test_gpu_engine.py -p no:cacheprovider \
   -k "not flashinfer_matches_sdpa" --junitxml="$OUT/gpu_tests.xml"
 EMBER_STEP_TIMING=1 stage qwen3_profile 55 $BENCH --model ember/configs/qwen3-0.6b \

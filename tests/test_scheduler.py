@@ -86,3 +86,21 @@ def test_abort_frees_waiting_and_running():
     fake_step(sched)
     sched.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
     assert not sched.has_unfinished_requests() and kv.num_free_blocks == 16
+
+
+def test_preempted_then_aborted_request_is_dropped_by_workers():
+    from ember.core.request import RequestStatus
+
+    sched, kv = make(num_blocks=4, budget=64)
+    add(sched, "a", 7, max_tokens=6)
+    add(sched, "b", 7, max_tokens=6)
+    preempted = set()
+    for _ in range(20):
+        out = fake_step(sched)
+        preempted |= out.preempted_req_ids
+        if preempted:
+            break
+    assert preempted, "the small cache did not preempt"
+    victim = preempted.pop()
+    sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+    assert victim in sched.schedule().finished_req_ids  # workers free its kept state

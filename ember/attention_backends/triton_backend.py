@@ -54,22 +54,12 @@ def _graph_workspace_numel(
 class TritonImpl(AttentionImpl):
     """Per-layer attention through the Triton kernels in ``triton_ops``."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap
-        )
-        # Imported here so that listing or resolving backends never imports triton.
+    @functools.cached_property
+    def _ops(self):
+        # Imported on first use so that listing or resolving backends never imports triton.
         from ember.attention_backends import triton_ops
 
-        self._ops = triton_ops
+        return triton_ops
 
     def _decode_splits(self, batch: int, max_seq_len: int | None, device: torch.device) -> int:
         return _num_splits(batch, self.num_kv_heads, self.head_size, max_seq_len, _sms(device))

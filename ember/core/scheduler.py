@@ -39,6 +39,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the workers at the next step
         self._known_to_workers: dict[str, int] = {}  # req id -> blocks the workers know of
+        # Workers keep a preempted request's state (its generator) until it finishes.
+        self._worker_states: set[str] = set()
         self.num_preemptions = 0
 
     # ---- request lifecycle -------------------------------------------------------------
@@ -62,9 +64,10 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv.free(request)
         del self.requests[request.request_id]
-        if request.request_id in self._known_to_workers:
+        self._known_to_workers.pop(request.request_id, None)
+        if request.request_id in self._worker_states:
             self._finished_ids.add(request.request_id)
-            self._known_to_workers.pop(request.request_id, None)
+            self._worker_states.discard(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -154,6 +157,7 @@ class Scheduler:
                                   request.num_computed_tokens)
             )
         else:
+            self._worker_states.add(req_id)
             block_ids = self.kv.block_ids(req_id)
             out.new_requests.append(
                 NewRequestData(
