@@ -16,7 +16,7 @@ import uvicorn
 from ember.core.async_engine import AsyncLLM
 
 # The default model with a short context and a fixed KV cache: quick to fill, cheap on RAM.
-SERVER_ENGINE_ARGS = dict(max_model_len=1024, num_gpu_blocks_override=2048, max_num_seqs=256)
+SERVER_ENGINE_ARGS = dict(max_model_len=1024, num_gpu_blocks_override=1024, max_num_seqs=256)
 MODEL_NAME = "smol"
 API_KEY = "test-key"
 

@@ -248,6 +248,9 @@ def _git_commit() -> str:
 
 
 def main(ns: argparse.Namespace) -> int:
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     proc = None
     base_url = ns.base_url
     if base_url is None:

@@ -17,8 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's top_logprobs limit
 MAX_N = 128  # OpenAI's limit on choices per request
 
-Int64 = Field(default=None, ge=-(2**63), le=2**63 - 1)
-
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -74,7 +72,7 @@ class SamplingExtras(OpenAIModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    seed: int | None = Int64
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # torch's seed range
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -128,9 +126,6 @@ class CompletionResponse(OpenAIModel):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
 
-
-# Stream chunks reuse the shapes: OpenAI streams "text_completion" objects too.
-CompletionStreamResponse = CompletionResponse
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger("ember")
 
 
 class ServingContext:
@@ -254,8 +256,12 @@ class EventStreamResponse(StreamingResponse):
         finally:
             for t in (stream, watcher):
                 t.cancel()
-            await asyncio.gather(stream, watcher, return_exceptions=True)
+            results = await asyncio.gather(stream, watcher, return_exceptions=True)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        error = results[0]
+        if isinstance(error, Exception) and not isinstance(error, OSError):
+            # Headers are sent: the client sees a cut stream; the log says why.
+            logger.error("streaming response failed", exc_info=error)
 
 
 def sse(payload: Any) -> str:

@@ -157,8 +157,8 @@ async def _stream(
             text, ids = prompts[i]
             for c in out.outputs:
                 state = states[i * req.n + c.index]
-                if state.finished:
-                    continue
+                if state.finished or not (c.token_ids or c.finish_reason):
+                    continue  # (outputs of a chunked prefill carry only partial prompt logprobs)
                 prefix, lp = "", None
                 if req.logprobs is not None:
                     lp = CompletionLogProbs()
