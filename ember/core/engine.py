@@ -165,7 +165,7 @@ class LLMEngine:
             children = self.output_processor.abort(parent_id)
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
             if parent is not None:  # async callers end their streams with it
-                finals.append(self.output_processor._make_output(parent))
+                finals.append(self.output_processor.make_output(parent))
         return finals
 
     def has_unfinished_requests(self) -> bool:

@@ -103,7 +103,7 @@ class OutputProcessor:
         if stopped:
             stop_cb(stopped)
         return [
-            self._make_output(p)
+            self.make_output(p)
             for p in changed.values()
             if p.params.output_kind != RequestOutputKind.FINAL_ONLY
             or all(c.request.is_finished() for c in p.children)
@@ -115,7 +115,7 @@ class OutputProcessor:
         for ids, values, rank in entries:
             parent.prompt_logprobs.append(self._logprob_dict(ids, values, rank))
 
-    def _make_output(self, parent: ParentState) -> RequestOutput:
+    def make_output(self, parent: ParentState) -> RequestOutput:
         outputs = []
         for child in parent.children:
             request = child.request
