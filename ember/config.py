@@ -71,7 +71,13 @@ class EngineArgs:
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
         if self.quantization not in (None, "gguf"):
-            raise ValueError(f"unknown quantization method {self.quantization!r}")
+            from ember.registry import QuantizationRegistry
+
+            if self.quantization not in QuantizationRegistry:
+                raise ValueError(
+                    f"unknown quantization method {self.quantization!r}; known: gguf (GGUF "
+                    f"weights, dequantized at load), {', '.join(QuantizationRegistry.names())}"
+                )
 
 
 @dataclass
@@ -86,6 +92,7 @@ class ModelConfig:
     load_format: str
     is_gguf: bool
     tokenizer: str | None
+    quantization: str | None = None  # a QuantizationRegistry name applied after loading
 
     @property
     def vocab_size(self) -> int:

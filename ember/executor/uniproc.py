@@ -46,6 +46,8 @@ def build_model_config(args: EngineArgs, platform) -> ModelConfig:
         load_format=args.load_format,
         is_gguf=is_gguf,
         tokenizer=args.tokenizer,
+        # "gguf" means the file's own quantization, already dequantized by the loader.
+        quantization=None if args.quantization == "gguf" else args.quantization,
     )
 
 

@@ -1,0 +1,1 @@
+"""Quantization methods (looked up by name in QuantizationRegistry) and their contract."""

@@ -149,7 +149,9 @@ _BUILTIN_BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
                     "sliding_window": True, "cuda_graphs": False, "priority": 20,
                     "requires": ["flashinfer"]}),
 }
-_BUILTIN_QUANTIZATION: dict[str, str] = {}  # filled in as ember.quantization's methods land
+_BUILTIN_QUANTIZATION: dict[str, str] = {
+    "int8": "ember.quantization.int8:Int8WeightOnly",
+}
 _BUILTIN_PLATFORMS = {
     "cpu": ("ember.platforms.cpu:CpuPlatform", {"device_type": "cpu"}),
     "cuda": ("ember.platforms.cuda:CudaPlatform",

@@ -64,7 +64,7 @@ class ModelRunner:
     # ---- set-up ------------------------------------------------------------------------
     def load_model(self) -> None:
         from ember.models.loader import load_model
-        from ember.registry import ModelRegistry
+        from ember.registry import ModelRegistry, QuantizationRegistry
 
         cfg = self.model_config
         model_cls = ModelRegistry.resolve(cfg.architecture)
@@ -82,6 +82,13 @@ class ModelRunner:
             cfg.load_format,
             weights=weights,
         )
+        if cfg.quantization is not None:
+            from ember.quantization.base import quantize_model
+
+            method_cls = QuantizationRegistry.resolve(cfg.quantization)
+            method = method_cls() if isinstance(method_cls, type) else method_cls
+            count = quantize_model(self.model, method)
+            logger.info("quantized %d linear layers with %s", count, cfg.quantization)
 
     def kv_geometry(self) -> tuple[int, int, int]:
         model = self.model
