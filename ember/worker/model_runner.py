@@ -72,7 +72,8 @@ class ModelRunner:
         if cfg.is_gguf and cfg.load_format != "dummy":
             from ember.models.loader.gguf import iter_gguf_weights
 
-            weights = iter_gguf_weights(cfg.path, cfg.hf_config)
+            weights = iter_gguf_weights(cfg.path, cfg.hf_config,
+                                        progress=None if self.show_progress else False)
         self.model = load_model(
             cfg.hf_config if cfg.is_gguf else cfg.path,
             model_cls,
@@ -81,6 +82,7 @@ class ModelRunner:
             self.device,
             cfg.load_format,
             weights=weights,
+            progress=None if self.show_progress else False,
         )
         if cfg.quantization is not None:
             from ember.quantization.base import quantize_model

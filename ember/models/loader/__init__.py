@@ -80,15 +80,18 @@ def check_safetensors(files: Iterable[str]) -> None:
             raise _corrupt(path, e) from e
 
 
-def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every file, lazily (one tensor in memory at a time)."""
+def iter_safetensors(
+    files: list[str], progress: bool | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every file, lazily (one tensor in memory at a time).
+    `progress`: show a tqdm bar; None follows EMBER_DISABLE_PROGRESS."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
     from ember import envs
 
     bar = tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard",
-               disable=envs.disable_progress_bars())  # fmt: skip
+               disable=envs.disable_progress_bars() if progress is None else not progress)
     for path in bar:
         try:
             handle = safe_open(path, framework="pt", device="cpu")
@@ -131,6 +134,7 @@ def load_model(
     load_format: str = "auto",
     weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     seed: int = 0,
+    progress: bool | None = None,
 ) -> nn.Module:
     """Build ``arch_cls(config, attn_backend, dtype)`` on ``device`` and fill its weights.
 
@@ -147,7 +151,7 @@ def load_model(
             raise ValueError("loading real weights needs a model directory or a weights iterator")
         files = safetensors_files(model_dir)
         check_safetensors(files)
-        weights = iter_safetensors(files)
+        weights = iter_safetensors(files, progress)
     with torch.device("meta"):
         model = arch_cls(config, attn_backend, dtype)
     model = model.to_empty(device=torch.device(device))
