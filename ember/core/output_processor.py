@@ -83,23 +83,30 @@ class OutputProcessor:
             parent = self.parents.get(self.child_to_parent.get(request.request_id, ""))
             if parent is None:
                 continue
-            changed[parent.request_id] = parent
             child = parent.children[request.index]
             if request.request_id in runner_out.prompt_logprobs and request.index == 0:
                 self._add_prompt_logprobs(parent, runner_out.prompt_logprobs[request.request_id])
             token = runner_out.sampled_token_ids.get(request.request_id)
-            if token is None:
-                continue
-            if child.logprobs is not None and request.request_id in runner_out.logprobs:
-                ids, values, rank = runner_out.logprobs[request.request_id]
-                child.logprobs.append(self._logprob_dict(ids, values, rank))
-                child.cumulative_logprob += values[0]
-            if child.detokenizer is not None:
-                child.detokenizer.append([token])
-                stop_str = child.detokenizer.stop_string_hit
-                if stop_str is not None and not request.is_finished():
-                    request.stop_reason = stop_str  # stop_cb sets the status and frees blocks
-                    stopped.append(request.request_id)
+            hit_stop = False
+            if token is not None:
+                if child.logprobs is not None and request.request_id in runner_out.logprobs:
+                    ids, values, rank = runner_out.logprobs[request.request_id]
+                    child.logprobs.append(self._logprob_dict(ids, values, rank))
+                    child.cumulative_logprob += values[0]
+                if child.detokenizer is not None:
+                    child.detokenizer.append([token])
+                    stop_str = child.detokenizer.stop_string_hit
+                    if stop_str is not None and not request.is_finished():
+                        request.stop_reason = stop_str  # stop_cb sets the status, frees blocks
+                        stopped.append(request.request_id)
+                        hit_stop = True
+            # Final-only parents (offline generate) need an output only when a child ends.
+            if (
+                parent.params.output_kind != RequestOutputKind.FINAL_ONLY
+                or hit_stop
+                or request.is_finished()
+            ):
+                changed[parent.request_id] = parent
         if stopped:
             stop_cb(stopped)
         return [

@@ -49,6 +49,7 @@ class ModelRunner:
         self.show_progress = show_progress
         self.states: dict[str, CachedRequestState] = {}
         self.tables = BlockTableRows()
+        self.prompt_logprob_reqs: set[str] = set()  # requests that asked for prompt logprobs
         from ember.core.step_timer import StepTimer
 
         self.timer = StepTimer(False)  # the engine hands in its own
@@ -165,6 +166,7 @@ class ModelRunner:
         for req_id in out.finished_req_ids:
             self.states.pop(req_id, None)
             self.tables.remove(req_id)
+            self.prompt_logprob_reqs.discard(req_id)
         for req_id in out.preempted_req_ids:
             # Keep the generator so a resumed seeded request continues its random stream.
             state = self.states.get(req_id)
@@ -183,6 +185,8 @@ class ModelRunner:
                 generator,
             )
             self.tables.set(new.req_id, new.block_ids)
+            if new.sampling_params.prompt_logprobs is not None:
+                self.prompt_logprob_reqs.add(new.req_id)
         for cached in out.cached_requests:
             state = self.states[cached.req_id]
             self.tables.append(cached.req_id, cached.new_block_ids)
@@ -285,9 +289,13 @@ class ModelRunner:
     def _prompt_logprobs(
         self, batch: FlatBatch, hidden: torch.Tensor, out: SchedulerOutput, result
     ) -> None:
+        if not self.prompt_logprob_reqs:
+            return
         from ember.layers.sampler import compute_prompt_logprobs
 
         for row, req_id in enumerate(batch.req_ids):
+            if req_id not in self.prompt_logprob_reqs:
+                continue
             state = self.states[req_id]
             k = state.sampling_params.prompt_logprobs
             num_prompt = len(state.prompt_token_ids)
