@@ -51,7 +51,6 @@ class LLMEngine:
 
         self.timer = StepTimer(envs.step_timing())
         self.executor.runner.timer = self.timer
-        self._counter = 0
         logger.info(
             "engine ready in %.1f s: %s (%s, %s), KV cache %d blocks x %d tokens, backend %s",
             time.perf_counter() - start, self.model_config.architecture, self.model_config.dtype,

@@ -9,12 +9,15 @@ import torch
 from ember.attention_backends.base import AttentionBackend, AttentionMetadata
 from ember.config import ModelConfig
 from ember.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ember.core.step_timer import StepTimer
+from ember.layers.sampler import Sampler
 from ember.worker.input_batch import (
     BlockTableRows,
     CachedRequestState,
     FlatBatch,
     build_flat_batch,
 )
+from ember.worker.input_stager import InputStager
 
 logger = logging.getLogger("ember")
 
@@ -33,6 +36,8 @@ def _plain_greedy(params, num_output: int) -> bool:
 
 
 class ModelRunner:
+    """Owns the model, its KV caches and the per-request state the workers keep between steps."""
+
     def __init__(
         self,
         model_config: ModelConfig,
@@ -50,15 +55,10 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.tables = BlockTableRows()
         self.prompt_logprob_reqs: set[str] = set()  # requests that asked for prompt logprobs
-        from ember.core.step_timer import StepTimer
-
         self.timer = StepTimer(False)  # the engine hands in its own
         self.kv_caches: list[torch.Tensor] = []
         self.model: torch.nn.Module | None = None
         self.graph_runner = None
-        from ember.layers.sampler import Sampler
-        from ember.worker.input_stager import InputStager
-
         self.sampler = Sampler()
         self.stager = InputStager(device)
 
