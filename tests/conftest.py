@@ -34,3 +34,19 @@ def assert_all_blocks_free(llm_or_engine) -> None:
     assert engine.num_free_blocks() == engine.num_total_blocks()
     assert not engine.kv_cache_manager.req_to_blocks
     assert not engine.output_processor.parents
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The process-wide default-model OpenAI server (started once, shared by server tests)."""
+    from server_utils import shared_server
+
+    return shared_server()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client pointed at that server."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)

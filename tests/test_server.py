@@ -9,23 +9,13 @@ from __future__ import annotations
 import time
 
 import httpx
-import openai
 import pytest
 from conftest import assert_all_blocks_free
-from server_utils import MODEL_NAME, metric, parse_metrics, shared_server
+from server_utils import MODEL_NAME, metric, parse_metrics
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
 
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 def _token_count(server, **body) -> int:

@@ -8,22 +8,13 @@ import httpx
 import openai
 import pytest
 from model_factory import make_tiny_model
-from server_utils import API_KEY, MODEL_NAME, ServerThread, shared_server
+from server_utils import API_KEY, MODEL_NAME, ServerThread
 
 from ember import EngineArgs
 from ember.core.async_engine import AsyncLLM
 
 CHAT = [{"role": "user", "content": "Hi"}]
 
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 def _check_body(response: httpx.Response, status: int) -> dict:
