@@ -38,6 +38,8 @@ class EngineArgs:
     max_num_seqs: int = 256
     enforce_eager: bool = False
     compile_model: bool = False
+    # Plan step N+1 while step N runs on the device; None = on for CUDA, off elsewhere.
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     disable_log_stats: bool = True
     show_progress: bool = True

@@ -58,3 +58,10 @@ def api_key() -> str | None:
 def step_timing() -> bool:
     """EMBER_STEP_TIMING=1: time each engine phase per step (see ember.core.step_timer)."""
     return _flag("EMBER_STEP_TIMING")
+
+
+def disable_fused_ops() -> bool:
+    """EMBER_DISABLE_FUSED_OPS=1: the decoder layers keep to their torch ops (RMSNorm, rotary,
+    SiLU-and-mul) on CUDA in half precision too, instead of the fused Triton kernels of
+    ember.layers.fused_ops (which are only ever used there)."""
+    return _flag("EMBER_DISABLE_FUSED_OPS")

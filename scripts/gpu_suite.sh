@@ -1,22 +1,49 @@
 #!/usr/bin/env bash
-# One device run (the lent H200): GPU tests, attention-kernel and engine benchmarks.
-# Usage there: scripts/gpu_suite.sh  (with .whl carried; results under $OUT)
+# The device run (the lent H200): GPU tests, attention-kernel and engine benchmarks.
+# Usage there: scripts/gpu_suite.sh [PART...]   (with .whl carried; results under $OUT)
+# Parts: ceilings tests smollm qwen3 llama8b kernels compile (default: all but compile). One
+# device call holds at most 10 minutes, so a full suite is split over two calls, e.g.
+#   scripts/gpu_suite.sh ceilings smollm qwen3 llama8b   then   scripts/gpu_suite.sh tests kernels
 set -u
 LOG_NAME=suite.log
 source "$(dirname "$0")/gpu_common.sh"
 LOG=$OUT/$LOG_NAME
-stage ceilings 40 python3 benchmarks/ceilings.py "$OUT/ceilings.json"
-stage gpu_tests 150 python3 -m pytest -q -m gpu tests/test_gpu_engine.py -p no:cacheprovider \
-  --junitxml="$OUT/gpu_tests.xml"
-stage qwen3 110 $BENCH --model ember/configs/qwen3-0.6b --num-prompts 256 --input-len 100 1024 \
-  --output-len 100 1024 --max-model-len 4096 --hf-num-requests 64 --hf-output-len 64 \
-  --single-output-len 512 --out "$OUT/qwen3.json"
-stage llama8b 150 $BENCH --model ember/configs/llama-3.1-8b --num-prompts 256 --input-len 100 1024 \
-  --output-len 100 1024 --max-model-len 4096 --hf-num-requests 32 --hf-output-len 32 \
-  --single-output-len 512 --out "$OUT/llama8b.json"
-stage smollm 45 $BENCH --model ember/configs/smollm2-135m --num-prompts 64 --input-len 128 \
-  --output-len 128 --max-model-len 4096 --hf-num-requests 16 --hf-output-len 32 \
-  --single-output-len 512 --out "$OUT/smollm.json"
-stage kernels 50 python3 benchmarks/attention_kernels.py --quick --block-sizes 16 \
-  --out "$OUT/kernels.json"
-tail -c 3000 "$LOG"
+PARTS=${*:-ceilings tests smollm qwen3 llama8b kernels}
+NANO="--num-prompts 256 --input-len 100 1024 --output-len 100 1024 --max-model-len 4096"
+export EMBER_STEP_TIMING=1  # per-phase host timing in every bench JSON (costs ~nothing)
+for part in $PARTS; do
+  case $part in
+    ceilings) stage ceilings 40 python3 benchmarks/ceilings.py "$OUT/ceilings.json" ;;
+    tests) stage gpu_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
+             tests/test_gpu_engine.py tests/test_gpu_backend_grid.py tests/test_fused_ops.py \
+             tests/test_triton_attention.py --junitxml="$OUT/gpu_tests.xml" ;;
+    smollm) stage smollm 70 $BENCH --model ember/configs/smollm2-135m --num-prompts 64 \
+              --input-len 128 --output-len 128 --max-model-len 4096 --hf-num-requests 16 \
+              --hf-output-len 32 --single-output-len 512 --hf-single-output-len 32 \
+              --out "$OUT/smollm.json" ;;
+    qwen3) stage qwen3 130 $BENCH --model ember/configs/qwen3-0.6b $NANO --hf-num-requests 64 \
+             --hf-output-len 64 --single-output-len 512 --hf-single-output-len 64 \
+             --out "$OUT/qwen3.json" ;;
+    llama8b) stage llama8b 170 $BENCH --model ember/configs/llama-3.1-8b $NANO \
+               --hf-num-requests 32 --hf-output-len 32 --single-output-len 512 \
+               --hf-single-output-len 64 --out "$OUT/llama8b.json" ;;
+    compile) stage qwen3_compile 200 $BENCH --model ember/configs/qwen3-0.6b $NANO --no-baseline \
+               --compile-model --single-output-len 512 --out "$OUT/qwen3_compile.json" ;;
+    kernels) stage kernels 60 python3 benchmarks/attention_kernels.py --quick --block-sizes 16 \
+               --out "$OUT/kernels.json" ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+for f in "$OUT"/*.json; do
+  python3 - "$f" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+e = d.get("ember")
+if e:
+    print(sys.argv[1].split("/")[-1], "ember %.0f tok/s single %.1f tok/s" % (
+        e["output_tok_s"], e["single_stream_decode_tok_s"]),
+        "hf %.0f / %.1f" % (d["hf"]["output_tok_s"], d["hf"]["single_stream_decode_tok_s"])
+        if "hf" in d else "", "steps", e.get("step_phase_ms"))
+EOF
+done
+tail -c 2500 "$LOG"

@@ -63,6 +63,10 @@ VARIANTS = {
     "budget16_chunked_prefill": dict(max_num_batched_tokens=16),
     "tiny_kv_cache_preempts": dict(block_size=4, num_gpu_blocks_override=40),
     "one_at_a_time": dict(),
+    # The next step is planned and launched before this one's tokens are back (on the CPU too).
+    "async_scheduling": dict(async_scheduling=True),
+    "async_tiny_kv_cache_preempts": dict(async_scheduling=True, block_size=4,
+                                         num_gpu_blocks_override=40),
 }
 
 
@@ -75,7 +79,7 @@ def test_greedy_matches_hf(tiny, variant, record_property):
     for note in notes:
         print(note)  # reported, as vLLM's rule asks
     record_property("near_tie_divergences", notes)
-    if variant == "tiny_kv_cache_preempts":
+    if variant.endswith("tiny_kv_cache_preempts"):
         assert llm.llm_engine.scheduler.num_preemptions > 0, "the small cache did not preempt"
     if variant == "budget16_chunked_prefill":
         assert max(PROMPT_LENS) > 16  # so prompts really were split into chunks

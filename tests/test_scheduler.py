@@ -24,9 +24,9 @@ def fake_step(sched):
     """Schedule one step and pretend the model sampled token 7 for every caught-up request."""
     out = sched.schedule()
     result = ModelRunnerOutput()
-    for rid, num in out.num_scheduled_tokens.items():
+    for rid in out.num_scheduled_tokens:
         req = sched.requests[rid]
-        if req.num_computed_tokens + num == req.num_tokens:
+        if req.num_computed_tokens == req.num_tokens:  # (progress advances at scheduling)
             result.sampled_token_ids[rid] = 7
     sched.update_from_output(out, result)
     return out

@@ -2,7 +2,9 @@
 
 FlashInfer kernels need a per-step plan (work partitioning over the batch). The first layer of a
 step plans both wrappers (decode for the leading one-token requests, prefill for the rest) and
-stores the plan on the step's metadata; every later layer reuses it. Planning reads host-side
+stores the plan on the step's metadata; every later layer with the same attention settings
+(sliding window, soft cap, scale) reuses it. Layers with other settings (models that mix sliding
+and full attention) get their own plan on their own wrappers and workspace. Planning reads host-side
 lengths, so this backend runs eagerly (no CUDA graphs yet): the triton backend is the graph path.
 KV layout is ember's [2, num_blocks, block_size, kv_heads, head_size], passed to FlashInfer as an
 NHD (k_cache, v_cache) tuple without copying. An optional extra: `pip install ember[flashinfer]`.
@@ -23,7 +25,6 @@ _WORKSPACE_BYTES = 256 << 20
 
 @dataclass
 class _Plan:
-    metadata: AttentionMetadata
     decode: Any | None  # a planned BatchDecodeWithPagedKVCacheWrapper
     prefill: Any | None  # a planned BatchPrefillWithPagedKVCacheWrapper
 
@@ -47,9 +48,12 @@ def _paged_indices(metadata: AttentionMetadata, rows: range, page_size: int, dev
 
 class FlashInferImpl(AttentionImpl):
     def _plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor, q_dtype) -> _Plan:
-        plan = metadata.backend_data
-        if isinstance(plan, _Plan) and plan.metadata is metadata:
-            return plan
+        plans = metadata.backend_data
+        if not isinstance(plans, dict):
+            plans = metadata.backend_data = {}
+        settings = (self.sliding_window, self.logits_soft_cap, self.scale)
+        if settings in plans:
+            return plans[settings]
         import torch
 
         page_size = kv_cache.shape[2]
@@ -61,12 +65,13 @@ class FlashInferImpl(AttentionImpl):
                       q_data_type=q_dtype, kv_data_type=kv_cache.dtype)
         decode = prefill = None
         if num_decodes:
-            decode = FlashInferBackend.wrapper("decode", device, self.num_heads // self.num_kv_heads)
+            decode = FlashInferBackend.wrapper("decode", device, self.num_heads // self.num_kv_heads,
+                                               settings)
             indptr, indices, last = _paged_indices(metadata, range(0, num_decodes), page_size, device)
             decode.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_size,
                         page_size, pos_encoding_mode="NONE", **common)
         if num_reqs > num_decodes:
-            prefill = FlashInferBackend.wrapper("prefill", device, 0)
+            prefill = FlashInferBackend.wrapper("prefill", device, 0, settings)
             qsl = metadata.query_start_loc_cpu
             qo = torch.tensor([q - qsl[num_decodes] for q in qsl[num_decodes:]], dtype=torch.int32,
                               device=device)
@@ -74,8 +79,7 @@ class FlashInferImpl(AttentionImpl):
                                                    device)
             prefill.plan(qo, indptr, indices, last, self.num_heads, self.num_kv_heads,
                          self.head_size, page_size, causal=True, **common)
-        plan = _Plan(metadata, decode, prefill)
-        metadata.backend_data = plan
+        plans[settings] = plan = _Plan(decode, prefill)
         return plan
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
@@ -103,24 +107,26 @@ class FlashInferBackend(AttentionBackend):
     name: ClassVar[str] = "flashinfer"
     supports_cuda_graphs: ClassVar[bool] = False
     _wrappers: ClassVar[dict[tuple, Any]] = {}
-    _workspace: ClassVar[dict[str, Any]] = {}
+    _workspace: ClassVar[dict[tuple, Any]] = {}
 
     @classmethod
     def impl_cls(cls) -> type[AttentionImpl]:
         return FlashInferImpl
 
     @classmethod
-    def wrapper(cls, kind: str, device, group_size: int):
-        """One wrapper per kind and device, sharing one workspace buffer (steps are serial)."""
-        key = (kind, str(device), group_size >= 4)
+    def wrapper(cls, kind: str, device, group_size: int, settings: tuple = ()):
+        """One wrapper per kind, device and layer settings; the wrappers of one settings share a
+        workspace buffer (steps are serial), different settings must not (both plans live)."""
+        key = (kind, str(device), group_size >= 4, settings)
         if key not in cls._wrappers:
             import flashinfer
             import torch
 
-            ws = cls._workspace.get(str(device))
+            ws_key = (str(device), settings)
+            ws = cls._workspace.get(ws_key)
             if ws is None:
                 ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-                cls._workspace[str(device)] = ws
+                cls._workspace[ws_key] = ws
             if kind == "decode":
                 # Tensor cores pay off once several query heads share a kv head.
                 cls._wrappers[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(

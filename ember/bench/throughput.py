@@ -38,6 +38,7 @@ def run_ember(ns, workload) -> tuple[dict, object]:
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
         skip_tokenizer_init=ns.load_format == "dummy", gpu_memory_utilization=ns.gpu_memory_utilization,
         enable_prefix_caching=not ns.no_prefix_caching,
+        async_scheduling=ns.async_scheduling, compile_model=ns.compile_model,
     )
     startup = time.perf_counter() - start
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
@@ -73,6 +74,7 @@ def run_ember(ns, workload) -> tuple[dict, object]:
         peak = torch.cuda.max_memory_allocated() / 2**30
     return {
         "backend": executor.attn_backend.name,
+        "async_scheduling": engine.async_scheduling,
         "cuda_graph_capture_s": getattr(executor, "graph_capture_seconds", 0.0),
         "peak_memory_gib": peak,
         "startup_s": startup,
@@ -150,6 +152,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan the next step while this one runs (default: on for CUDA)")
+    parser.add_argument("--compile-model", action="store_true", help="torch.compile the model")
     parser.add_argument("--single-output-len", type=int, default=64)
     parser.add_argument("--single-input-len", type=int, default=128)
     parser.add_argument("--no-baseline", action="store_true", help="skip HF transformers")

@@ -12,6 +12,7 @@ from ember.core.kv_cache_manager import KVCacheManager
 from ember.core.output_processor import OutputProcessor, ParentState
 from ember.core.request import Request, RequestStatus
 from ember.core.scheduler import Scheduler
+from ember.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from ember.inputs import PromptType
 from ember.outputs import RequestMetrics, RequestOutput
 from ember.sampling_params import SamplingParams
@@ -39,22 +40,28 @@ class LLMEngine:
                 "max_model_len"
             )
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.async_scheduling = args.async_scheduling
+        if self.async_scheduling is None:
+            # Only a device that runs behind the host gains from overlapping the two.
+            self.async_scheduling = self.executor.platform.device_type == "cuda"
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             self.executor.max_num_batched_tokens,
             args.max_num_seqs,
             self.max_model_len,
+            self.async_scheduling,
         )
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None  # (plan, launched step)
         self.output_processor = OutputProcessor(self.tokenizer)
         from ember import envs
         from ember.core.step_timer import StepTimer
 
         self.timer = StepTimer(envs.step_timing())
-        self.executor.runner.timer = self.timer
         logger.info(
-            "engine ready in %.1f s: %s (%s, %s), KV cache %d blocks x %d tokens, backend %s",
+            "engine ready in %.1f s: %s (%s, %s), KV cache %d blocks x %d tokens, backend %s%s",
             time.perf_counter() - start, self.model_config.architecture, self.model_config.dtype,
             self.executor.platform.name, num_blocks, args.block_size, self.executor.attn_backend.name,
+            ", async scheduling" if self.async_scheduling else "",
         )
 
     @classmethod
@@ -168,28 +175,40 @@ class LLMEngine:
         return finals
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
 
     # ---- stepping ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Advance every running request by one step; returns the outputs that changed.
+
+        With async scheduling the step planned and launched here runs on the device while the
+        previous step's tokens are folded in, so the outputs returned lag one step behind."""
         timer = self.timer
         timer.start()
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return []
+        plan = self.scheduler.schedule()
         timer.mark("schedule")
-        result = self.executor.execute_model(scheduler_output)  # marks prepare and wait
-        touched = self.scheduler.update_from_output(scheduler_output, result)
-        timer.mark("update")
+        launched = None if plan.is_empty else (plan, self.executor.launch(plan))
+        timer.mark("prepare")
+        if self.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        if launched is None:
+            return []
+        result = launched[1].resolve()  # the step's one device-to-host sync
+        timer.mark("wait")
+        return self._fold_in(launched[0], result)
+
+    def _fold_in(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        touched = self.scheduler.update_from_output(plan, result)
+        self.timer.mark("update")
         outputs = self.output_processor.process(
             touched,
             result,
             lambda ids: self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED),
         )
-        timer.mark("output")
+        self.timer.mark("output")
         return outputs
 
     # ---- introspection -----------------------------------------------------------------

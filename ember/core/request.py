@@ -66,6 +66,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens being sampled by steps in flight (async scheduling), not yet in output_token_ids.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling; -1 = not yet
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

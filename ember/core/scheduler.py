@@ -5,6 +5,11 @@ rest of its prompt for a prefill), capped by the step's remaining budget, so lon
 chunked. Running requests go first; if blocks run out, the newest running request is preempted
 (its blocks freed, to be recomputed later). Waiting requests are admitted while budget, blocks and
 `max_num_seqs` allow, after a prefix-cache lookup.
+
+Progress (`num_computed_tokens`) advances when a step is scheduled, not when it returns, so with
+asynchronous scheduling the next step can be planned while this one runs: a request that will
+sample gets an output placeholder, and its next decode is scheduled before the token is known (the
+workers feed it from the device). Results of a request that has finished meanwhile are dropped.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
+        async_scheduling: bool = False,
     ) -> None:
         self.kv = kv_cache_manager
+        self.async_scheduling = async_scheduling
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -54,12 +61,15 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._remove(request)
             request.status = status
             self._free(request)
+
+    def _remove(self, request: Request) -> None:
+        try:
+            self.running.remove(request)
+        except ValueError:  # waiting, or preempted while its last step was in flight
+            self.waiting.remove(request)
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)
@@ -86,7 +96,11 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            pending = request.num_output_placeholders
+            if pending and request.num_output_tokens + pending >= request.max_tokens:
+                idx += 1  # its last token is already in flight: it finishes when that returns
+                continue
+            num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
                 idx += 1
@@ -132,6 +146,13 @@ class Scheduler:
 
         for request in scheduled:
             self._describe(request, out)
+            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            if (
+                self.async_scheduling
+                and request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
+            ):
+                request.num_output_placeholders += 1  # its sampled token is known after the step
+        out.scheduled_requests = scheduled
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         return out
 
@@ -177,22 +198,23 @@ class Scheduler:
         """Advance progress, append sampled tokens, finish requests; returns those with news."""
         now = time.time()
         touched: list[Request] = []
-        for req_id, num in out.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
-            if request is None:
+        for request in out.scheduled_requests:
+            if request.is_finished():  # aborted or stopped while this step ran
                 continue
-            request.num_computed_tokens += num
+            req_id = request.request_id
             token = result.sampled_token_ids.get(req_id)
             if token is None:
                 if req_id in result.prompt_logprobs:
                     touched.append(request)
                 continue
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             request.append_output_token(token)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
             if request.check_stop(self.max_model_len):
-                self.running.remove(request)
+                self._remove(request)
                 self._free(request)
             touched.append(request)
         return touched

@@ -36,6 +36,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)  # workers drop all their state
     preempted_req_ids: set[str] = field(default_factory=set)  # workers drop the batch slot
+    # The scheduler's own Request objects, for folding results back in (not for the workers).
+    scheduled_requests: list = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -13,7 +13,7 @@ from ember.config import (
     resolve_max_model_len,
     resolve_model_path,
 )
-from ember.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ember.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("ember")
 
@@ -134,5 +134,6 @@ class UniProcExecutor:
         per_request = -(-self.model_config.max_model_len // args.block_size)
         return max(min(num_blocks, per_request * args.max_num_seqs), 0)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+    def launch(self, scheduler_output: SchedulerOutput):
+        """Start a step without waiting; `.resolve()` on the result gives its ModelRunnerOutput."""
+        return self.runner.launch(scheduler_output)

@@ -1,10 +1,16 @@
 """RMSNorm, computed exactly as HF transformers does (float32 statistics, weight applied after
-casting back), so float32 and bfloat16 models both match HF bit for bit."""
+casting back), so float32 and bfloat16 models both match HF bit for bit.
+
+On CUDA in half precision the norm (and the residual add before it, ``forward_with_residual``)
+runs as one fused Triton kernel instead (see ember.layers.fused_ops); elsewhere the torch ops.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ember.layers import fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +22,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ops.fused_ops_enabled(x):
+            return fused_ops.rms_norm(x, self.weight, self.eps)
+        return self._forward_torch(x)
+
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a block's residual add fused with the next norm.
+
+        ``x`` (a branch output the caller no longer needs) may be overwritten with the sum.
+        """
+        if fused_ops.fused_ops_enabled(x):
+            return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        # In place, as the decoder always did (branch.add_(residual)): no extra allocation.
+        h = x.add_(residual)
+        return self._forward_torch(h), h
+
+    def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -5,6 +5,9 @@ Scaling types: "default", "linear" and "llama3" (Llama 3.1). Settings come from
 (transformers 4). cos/sin are computed once per forward from the positions, in float32 exactly as
 HF does, and shared by every layer; there is no position table, so no max-length limit and no
 buffer to move between devices.
+
+On CUDA in half precision ``apply_qk`` rotates q and k in place with one fused Triton kernel
+(ember.layers.fused_ops), bit-identical to the torch ops of ``apply``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ember.layers import fused_ops
 
 _SUPPORTED = ("default", "linear", "llama3")
 
@@ -98,6 +103,16 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim < self.head_size:
             parts.append(x[..., self.rotary_dim :])
         return torch.cat(parts, dim=-1)
+
+    def apply_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``apply`` to q and k. With the fused kernel they are rotated in place (they may be
+        views of the fused qkv output) and returned; otherwise new tensors are returned."""
+        if fused_ops.fused_ops_enabled(q):
+            fused_ops.rotary_inplace(q, k, cos, sin, self.rotary_dim)
+            return q, k
+        return self.apply(q, cos, sin), self.apply(k, cos, sin)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -92,7 +92,7 @@ class DecoderAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_size)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        q, k = rope.apply_qk(q, k, cos, sin)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
@@ -127,11 +127,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = DecoderMLP(config, spec, dtype)
 
-    def forward(self, h: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor,
-                sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
-        # Same order of operations as HF (residual + branch), so float32 results agree exactly.
-        h = self.self_attn(self.input_layernorm(h), rope, cos, sin, ctx).add_(h)
-        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
+                cos: torch.Tensor, sin: torch.Tensor,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """h: the previous layer's MLP output (the embeddings for the first layer, whose
+        ``residual`` is None). Returns this layer's MLP output and the residual stream it is
+        still to be added to: the next norm does that add (as vLLM does), so that on CUDA the
+        add and the norm are one fused kernel. Without the fused kernels the arithmetic is
+        HF's, op for op (branch + residual, then norm), so float32 results agree exactly."""
+        if residual is None:
+            residual = h
+            x = self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.forward_with_residual(h, residual)
+        h = self.self_attn(x, rope, cos, sin, ctx)
+        x, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -152,9 +163,12 @@ class DecoderModel(nn.Module):
         h = self.embed_tokens(input_ids)
         # cos/sin once per step, shared by all layers.
         cos, sin = self.rotary_emb.cos_sin(positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(h, self.rotary_emb, cos, sin, ctx)
-        return self.norm(h)
+            h, residual = layer(h, residual, self.rotary_emb, cos, sin, ctx)
+        if residual is None:  # no layers
+            return self.norm(h)
+        return self.norm.forward_with_residual(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -147,7 +147,7 @@ _BUILTIN_BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
     "flashinfer": ("ember.attention_backends.flashinfer_backend:FlashInferBackend",
                    {"devices": ["cuda"], "dtypes": _HALF, "head_sizes": [64, 128, 256],
                     "sliding_window": True, "cuda_graphs": False, "priority": 20,
-                    "requires": ["flashinfer"]}),
+                    "requires": ["flashinfer", "triton"]}),  # its KV store is ours
 }
 _BUILTIN_QUANTIZATION: dict[str, str] = {
     "int8": "ember.quantization.int8:Int8WeightOnly",

@@ -99,12 +99,13 @@ class CudaGraphRunner:
             and batch.block_table.shape[1] <= self.block_table.shape[1]
         )
 
-    def run(self, batch: FlatBatch) -> torch.Tensor:
+    def run(self, batch: FlatBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replay the graph for this pure-decode batch; input_ids are already on the device."""
         n = len(batch.req_ids)
         bs = next(s for s in self.sizes if s >= n)
         stage = self.runner.stager.to_device
         width = batch.block_table.shape[1]
-        self.input_ids[:n].copy_(stage("input_ids", batch.input_ids, torch.int64), non_blocking=True)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(stage("positions", batch.positions, torch.int64), non_blocking=True)
         self.slot_mapping[:n].copy_(stage("slot_mapping", batch.slot_mapping, torch.int64),
                                     non_blocking=True)

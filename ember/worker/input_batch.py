@@ -9,6 +9,10 @@ import torch
 
 from ember.sampling_params import SamplingParams
 
+# Stands in an output list for a token still being sampled by a step in flight; the step that
+# needs it as input reads it from that step's device tensor of sampled ids.
+PLACEHOLDER = -1
+
 
 @dataclass
 class CachedRequestState:
@@ -19,6 +23,8 @@ class CachedRequestState:
     num_computed_tokens: int  # (block ids live in BlockTableRows)
     generator: torch.Generator | None = None
     prompt_logprobs_done: int = 0  # prompt positions whose logprobs were already returned
+    # Where the placeholder at the end of output_token_ids comes from: (step in flight, its row).
+    pending: tuple[object, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +55,9 @@ class FlatBatch:
     num_decode_tokens: int
     sample_rows: list[int] = field(default_factory=list)  # batch rows whose last token samples
     logits_indices: np.ndarray | None = None  # flat token index of each sampling row
+    # Flat positions whose input token is still a placeholder, and the request row of each.
+    placeholder_positions: np.ndarray | None = None
+    placeholder_rows: np.ndarray | None = None
 
 
 class BlockTableRows:
@@ -131,10 +140,12 @@ def build_flat_batch(
         block_table[request_of_token, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
+    input_ids = np.array(tokens, dtype=np.int64)
+    placeholder_positions = np.flatnonzero(input_ids == PLACEHOLDER)
     return FlatBatch(
         req_ids=req_ids,
         query_lens=query_lens,
-        input_ids=np.array(tokens, dtype=np.int64),
+        input_ids=input_ids,
         positions=positions,
         slot_mapping=slot_mapping,
         query_start_loc=query_start_loc,
@@ -143,4 +154,6 @@ def build_flat_batch(
         num_decode_tokens=int((query_lens == 1).sum()),
         sample_rows=sample_rows,
         logits_indices=np.array(logits_indices, dtype=np.int64),
+        placeholder_positions=placeholder_positions,
+        placeholder_rows=request_of_token[placeholder_positions],
     )

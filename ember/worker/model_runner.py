@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from ember.attention_backends.base import AttentionBackend, AttentionMetadata
 from ember.config import ModelConfig
-from ember.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from ember.core.step_timer import StepTimer
+from ember.core.scheduler_output import SchedulerOutput
 from ember.layers.sampler import Sampler
+from ember.worker.in_flight import InFlightStep
 from ember.worker.input_batch import (
     BlockTableRows,
     CachedRequestState,
@@ -24,13 +25,19 @@ logger = logging.getLogger("ember")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _uses_penalties(params) -> bool:
+    return (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+    )
+
+
 def _plain_greedy(params, num_output: int) -> bool:
     return (
         params.temperature == 0.0
         and params.logprobs is None
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.repetition_penalty == 1.0
+        and not _uses_penalties(params)
         and num_output >= params.min_tokens
     )
 
@@ -55,12 +62,12 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.tables = BlockTableRows()
         self.prompt_logprob_reqs: set[str] = set()  # requests that asked for prompt logprobs
-        self.timer = StepTimer(False)  # the engine hands in its own
         self.kv_caches: list[torch.Tensor] = []
         self.model: torch.nn.Module | None = None
         self.graph_runner = None
         self.sampler = Sampler()
         self.stager = InputStager(device)
+        self.in_flight: InFlightStep | None = None  # the last launched step
 
     # ---- set-up ------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -218,32 +225,51 @@ class ModelRunner:
         return self.attn_backend.build_metadata(metadata)
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, out: SchedulerOutput) -> InFlightStep:
+        """Build, launch and sample one step without waiting for the device. Tokens sampled by
+        the step still in flight (async scheduling) are read from its device tensor."""
         from ember.layers.attention import ForwardContext
 
+        previous, self.in_flight = self.in_flight, None
         self._update_states(out)
-        result = ModelRunnerOutput()
+        step = InFlightStep()
         if out.is_empty:
-            return result
+            return step
         batch = build_flat_batch(self.states, out.num_scheduled_tokens, self.block_size,
                                  self.tables)
         self.stager.begin()
+        input_ids = self._stage("input_ids", batch.input_ids, torch.int64)
+        if len(batch.placeholder_positions):
+            self._fill_placeholders(input_ids, batch, previous)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            hidden = self.graph_runner.run(batch)
+            hidden = self.graph_runner.run(batch, input_ids)
         else:
-            input_ids = self._stage("input_ids", batch.input_ids, torch.int64)
             positions = self._stage("positions", batch.positions, torch.int64)
             ctx = ForwardContext(attn_metadata=self._metadata(batch), kv_caches=self.kv_caches)
             hidden = self.model(input_ids, positions, ctx)  # type: ignore[misc]
         self.stager.end()
-        self._prompt_logprobs(batch, hidden, out, result)
+        self._prompt_logprobs(batch, hidden, out, step.result)
         if batch.sample_rows:
-            self._sample(batch, hidden, result)
+            self._sample(batch, hidden, step, previous)
         for req_id, num in out.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += num
-        return result
+        self.in_flight = step
+        return step
 
-    def _sample(self, batch: FlatBatch, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
+    def _fill_placeholders(self, input_ids: torch.Tensor, batch: FlatBatch,
+                           previous: InFlightStep | None) -> None:
+        src_rows = []
+        for row in batch.placeholder_rows:
+            pending = self.states[batch.req_ids[row]].pending
+            if pending is None or pending[0] is not previous or previous.sampled is None:
+                raise RuntimeError("a placeholder token does not come from the step in flight")
+            src_rows.append(pending[1])
+        positions = self._stage("placeholder_positions", batch.placeholder_positions, torch.int64)
+        sources = self._stage("placeholder_sources", np.array(src_rows), torch.int64)
+        input_ids[positions] = previous.sampled[sources]  # type: ignore[index]
+
+    def _sample(self, batch: FlatBatch, hidden: torch.Tensor, step: InFlightStep,
+                previous: InFlightStep | None) -> None:
         from ember.layers.sampling_metadata import build_sampling_metadata
 
         rows = [self.states[batch.req_ids[row]] for row in batch.sample_rows]
@@ -251,14 +277,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[indices])  # type: ignore[union-attr]
         if all(_plain_greedy(s.sampling_params, len(s.output_token_ids)) for s in rows):
             # Nothing to build: no penalties, masks or logprobs, just the argmax.
-            token_ids = logits.argmax(dim=-1)
-            self.timer.mark("prepare")
-            token_ids = token_ids.tolist()
-            self.timer.mark("wait")
-            for state, token in zip(rows, token_ids):
-                state.output_token_ids.append(token)
-                result.sampled_token_ids[state.req_id] = token
+            step.attach_samples(rows, logits.argmax(dim=-1), None)
             return
+        if previous is not None and any(
+            s.pending is not None and _uses_penalties(s.sampling_params) for s in rows
+        ):
+            # Penalties count every earlier token on the host: wait for the step in flight.
+            previous.resolve()
         metadata = build_sampling_metadata(
             [s.sampling_params for s in rows],
             [s.output_token_ids for s in rows],
@@ -268,23 +293,7 @@ class ModelRunner:
             self.device,
         )
         sampled = self.sampler(logits, metadata)
-        self.timer.mark("prepare")
-        token_ids = sampled.sampled_token_ids.tolist()  # the step's one device-to-host sync
-        self.timer.mark("wait")
-        lp = sampled.logprobs
-        if lp is not None:
-            lp_ids, lp_values, lp_ranks = (
-                lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.selected_token_ranks.tolist()
-            )
-        for i, state in enumerate(rows):
-            state.output_token_ids.append(token_ids[i])
-            result.sampled_token_ids[state.req_id] = token_ids[i]
-            num_lp = state.sampling_params.logprobs
-            if lp is not None and num_lp is not None:
-                keep = num_lp + 1
-                result.logprobs[state.req_id] = (
-                    lp_ids[i][:keep], lp_values[i][:keep], lp_ranks[i]
-                )
+        step.attach_samples(rows, sampled.sampled_token_ids, sampled.logprobs)
 
     def _prompt_logprobs(
         self, batch: FlatBatch, hidden: torch.Tensor, out: SchedulerOutput, result

@@ -1,0 +1,88 @@
+"""InFlightStep: a launched step whose sampled tokens are still on (or coming from) the device.
+
+The model runner launches a step and returns at once; the sampled ids (and logprobs) are copied
+to pinned host memory without blocking and an event marks when they land. `resolve()` waits for
+that event (the step's one device-to-host sync), writes the tokens over the placeholders the
+runner put in its request states, and builds the ModelRunnerOutput. It is idempotent: the engine
+resolves a step after launching the next one, and the runner may resolve it earlier when the next
+step's sampling needs the tokens on the host (penalties).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ember.core.scheduler_output import ModelRunnerOutput
+from ember.layers.sampler import LogprobsTensors
+from ember.worker.input_batch import PLACEHOLDER, CachedRequestState
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+class InFlightStep:
+    def __init__(self, result: ModelRunnerOutput | None = None) -> None:
+        self.sampled: torch.Tensor | None = None  # [rows] on the device, read by the next step
+        self.result = result if result is not None else ModelRunnerOutput()  # filled as it goes
+        self._rows: list[tuple[CachedRequestState, int]] = []  # state, index of its placeholder
+        self._host_sampled: torch.Tensor | None = None
+        self._host_logprobs: tuple[torch.Tensor, ...] | None = None
+        self._ready: torch.cuda.Event | None = None
+        self._resolved = False
+
+    def attach_samples(
+        self,
+        states: list[CachedRequestState],
+        sampled: torch.Tensor,
+        logprobs: LogprobsTensors | None,
+    ) -> None:
+        """Start the copies home and leave a placeholder in each sampling request's outputs."""
+        self.sampled = sampled
+        self._host_sampled = _to_host(sampled)
+        if logprobs is not None:
+            self._host_logprobs = tuple(
+                _to_host(t) for t in (logprobs.logprob_token_ids, logprobs.logprobs,
+                                      logprobs.selected_token_ranks)
+            )
+        if sampled.device.type == "cuda":
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        for row, state in enumerate(states):
+            state.output_token_ids.append(PLACEHOLDER)
+            state.pending = (self, row)
+            self._rows.append((state, len(state.output_token_ids) - 1))
+
+    @property
+    def resolved(self) -> bool:
+        return self._resolved
+
+    def resolve(self) -> ModelRunnerOutput:
+        if self._resolved:
+            return self.result
+        self._resolved = True
+        if not self._rows:
+            return self.result
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens = self._host_sampled.tolist()  # type: ignore[union-attr]
+        lp = None
+        if self._host_logprobs is not None:
+            lp = tuple(t.tolist() for t in self._host_logprobs)
+        result = self.result
+        for row, (state, index) in enumerate(self._rows):
+            token = tokens[row]
+            if state.pending is not None and state.pending[0] is self:
+                state.output_token_ids[index] = token
+                state.pending = None
+            result.sampled_token_ids[state.req_id] = token
+            num_lp = state.sampling_params.logprobs
+            if lp is not None and num_lp is not None:
+                lp_ids, lp_values, lp_ranks = lp
+                keep = num_lp + 1
+                result.logprobs[state.req_id] = (lp_ids[row][:keep], lp_values[row][:keep],
+                                                 lp_ranks[row])
+        return result

@@ -1,0 +1,274 @@
+"""Fused Triton kernels (RMSNorm + residual add, rotary, SiLU-and-mul) against the torch paths.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 on the CPU at small shapes (the wrappers
+are called directly: the layers only pick them on CUDA in half precision); with CUDA the same
+cases run compiled. Rotary and the residual add round where torch rounds, so they must match it
+bit for bit; RMSNorm and SiLU may differ by an ulp (reduction order, exp). The interpreter
+truncates float32 -> bfloat16 instead of rounding to nearest, so there bf16 gets ulp tolerances
+too. The ``gpu``-marked test runs tiny bf16 decoders with the fused ops on and off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before the kernels are first launched: fused_ops jits them on first use.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from ember.layers import fused_ops  # noqa: E402
+from ember.layers.activation import SiluAndMul  # noqa: E402
+from ember.layers.norm import RMSNorm  # noqa: E402
+from ember.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _bit_exact(dtype: torch.dtype) -> bool:
+    """Whether ops that round like torch can be expected to equal it bit for bit."""
+    return not (INTERPRET and dtype == torch.bfloat16)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        return
+    # Two ulps, relative to each value and to the tensor's scale (cancellation in rotary).
+    eps = torch.finfo(want.dtype).eps
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * eps, atol=2 * eps * scale)
+
+
+def _norm(hidden: int, dtype: torch.dtype, seed: int = 0) -> RMSNorm:
+    norm = RMSNorm(hidden, 1e-5, dtype).to(DEV)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    return norm
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEV)
+
+
+# ---- RMSNorm ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576])
+def test_rms_norm_matches_torch(dtype, hidden):
+    norm = _norm(hidden, dtype)
+    x = _randn(7, hidden, dtype=dtype, seed=1, scale=3.0)
+    got = fused_ops.rms_norm(x, norm.weight, norm.eps)
+    _assert_close(got, norm._forward_torch(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_strided_qkv_view(dtype):
+    # Qwen3's q/k norm: [T, heads, head_size] views of the fused qkv output, not contiguous.
+    t, hq, hk, d = 5, 6, 2, 32
+    qkv = _randn(t, (hq + 2 * hk) * d, dtype=dtype, seed=2, scale=2.0)
+    before = qkv.clone()
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    for x, seed in ((q, 3), (k, 4)):
+        norm = _norm(d, dtype, seed)
+        got = fused_ops.rms_norm(x, norm.weight, norm.eps)
+        assert got.is_contiguous()
+        _assert_close(got, norm._forward_torch(x))
+    assert torch.equal(qkv, before)  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576])
+def test_fused_add_rms_norm(dtype, hidden):
+    norm = _norm(hidden, dtype)
+    x = _randn(6, hidden, dtype=dtype, seed=5, scale=2.0)
+    residual = _randn(6, hidden, dtype=dtype, seed=6, scale=4.0)
+    x0, r0 = x.clone(), residual.clone()
+    out, new_residual = fused_ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(x, x0) and torch.equal(residual, r0)
+    # The torch path (CPU here, or a disabled CUDA run) adds into x in place.
+    want_out, want_residual = norm.forward_with_residual(x0.clone(), r0)
+    if _bit_exact(dtype):
+        assert torch.equal(new_residual, want_residual)
+    else:
+        _assert_close(new_residual, want_residual)
+    _assert_close(out, want_out)
+    # Same as the two-step module path in float32 to 1e-5 as well.
+    if dtype == torch.float32:
+        _assert_close(out, norm._forward_torch(x0 + r0))
+
+
+# ---- rotary -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,rotary_dim", [(16, 16), (32, 24), (64, 32)])
+def test_rotary_inplace_on_fused_qkv_views(dtype, head_size, rotary_dim):
+    t, hq, hk = 5, 6, 2
+    rope = RotaryEmbedding(head_size, 10000.0, rotary_dim=rotary_dim)
+    qkv = _randn(t, (hq + 2 * hk) * head_size, dtype=dtype, seed=7, scale=2.0)
+    q = qkv[:, : hq * head_size].view(t, hq, head_size)
+    k = qkv[:, hq * head_size : (hq + hk) * head_size].view(t, hk, head_size)
+    v_before = qkv[:, (hq + hk) * head_size :].clone()
+    positions = torch.tensor([0, 1, 5, 17, 250], device=DEV)
+    cos, sin = rope.cos_sin(positions, dtype)
+    want_q, want_k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+
+    fused_ops.rotary_inplace(q, k, cos, sin, rotary_dim)
+    if _bit_exact(dtype):
+        assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    else:
+        _assert_close(q, want_q)
+        _assert_close(k, want_k)
+    assert torch.equal(qkv[:, (hq + hk) * head_size :], v_before)  # v untouched
+
+
+def test_rotary_inplace_accepts_2d_cos_sin_and_empty_batch():
+    rope = RotaryEmbedding(16, 10000.0)
+    q = _randn(3, 4, 16, dtype=torch.float32, seed=8)
+    k = _randn(3, 2, 16, dtype=torch.float32, seed=9)
+    cos, sin = rope.cos_sin(torch.arange(3, device=DEV), torch.float32)
+    want_q, want_k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    fused_ops.rotary_inplace(q, k, cos[:, 0], sin[:, 0], 16)
+    _assert_close(q, want_q)
+    _assert_close(k, want_k)
+    fused_ops.rotary_inplace(q[:0], k[:0], cos[:0], sin[:0], 16)  # no launch, no error
+
+
+# ---- SiLU and mul -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [40, 1100])  # 1100: more than one column block per row
+def test_silu_and_mul(dtype, d):
+    x = _randn(3, 2 * d, dtype=dtype, seed=10, scale=3.0)
+    ref = SiluAndMul()(x) if not x.is_cuda else torch.nn.functional.silu(x[:, :d]) * x[:, d:]
+    _assert_close(fused_ops.silu_and_mul(x), ref)
+    x3 = x.view(3, 1, 2 * d)  # leading dims are flattened and restored
+    assert fused_ops.silu_and_mul(x3).shape == (3, 1, d)
+
+
+# ---- when the layers use the kernels -----------------------------------------------------------
+
+
+def test_fused_ops_enabled_only_for_cuda_half(monkeypatch):
+    monkeypatch.delenv("EMBER_DISABLE_FUSED_OPS", raising=False)
+    for dtype in DTYPES:
+        assert not fused_ops.fused_ops_enabled(torch.zeros(2, dtype=dtype))  # CPU: never
+    if torch.cuda.is_available():
+        assert not fused_ops.fused_ops_enabled(torch.zeros(2, device="cuda"))  # float32
+        assert fused_ops.fused_ops_enabled(torch.zeros(2, dtype=torch.bfloat16, device="cuda"))
+        monkeypatch.setenv("EMBER_DISABLE_FUSED_OPS", "1")
+        assert not fused_ops.fused_ops_enabled(torch.zeros(2, dtype=torch.bfloat16, device="cuda"))
+
+
+def test_disable_env_var(monkeypatch):
+    from ember import envs
+
+    monkeypatch.setenv("EMBER_DISABLE_FUSED_OPS", "1")
+    assert envs.disable_fused_ops()
+    monkeypatch.setenv("EMBER_DISABLE_FUSED_OPS", "0")
+    assert not envs.disable_fused_ops()
+
+
+# ---- whole decoder --------------------------------------------------------------------------------
+
+
+def _to_device(md, device: str):
+    tensors = {f.name: getattr(md, f.name) for f in dataclasses.fields(md)}
+    moved = {n: v.to(device) for n, v in tensors.items() if isinstance(v, torch.Tensor)}
+    return dataclasses.replace(md, **moved, backend_data=None)
+
+
+def _decoder_runner(arch: str, backend_name: str, dtype: torch.dtype, tmp_path):
+    """A tiny decoder on DEV and a function running two steps (a 2-request prefill, then a
+    decode step) from the same fresh KV caches; it returns each step's hidden states."""
+    from model_factory import Chunk, PagedCache, make_tiny_model
+
+    from ember.attention_backends.sdpa import SdpaBackend
+    from ember.layers.attention import ForwardContext
+    from ember.models.llama import LlamaForCausalLM
+    from ember.models.loader import load_model
+    from ember.models.qwen3 import Qwen3ForCausalLM
+
+    if backend_name == "triton":
+        from ember.attention_backends.triton_backend import TritonBackend as backend
+    else:
+        backend = SdpaBackend
+    cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}[arch]
+    # hidden 576 (not a power of two, like SmolLM2-135M), GQA 3, partial rotary on llama.
+    extra = {"partial_rotary_factor": 0.5} if arch == "llama" else {}
+    path = make_tiny_model(arch, tmp_path, hidden_size=576, num_attention_heads=6,
+                           num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
+                           **extra)  # fmt: skip
+    model = load_model(path, cls, backend, dtype, device=DEV)
+    if arch == "llama":
+        assert model.model.rotary_emb.rotary_dim == 16
+    cache = PagedCache(model, num_blocks=16, block_size=16, seed=0, backend=backend)
+    caches0 = [c.to(DEV) for c in cache.kv_caches]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (3, 6)]
+    steps = [[Chunk(0, prompts[0]), Chunk(1, prompts[1])], [Chunk(0, [5]), Chunk(1, [7])]]
+    built = [cache.build(chunks) for chunks in steps]
+
+    def run() -> list[torch.Tensor]:
+        kv = [c.clone() for c in caches0]
+        outs = []
+        for ids, pos, md in built:
+            md = backend.build_metadata(_to_device(md, DEV))
+            with torch.no_grad():
+                outs.append(model(ids.to(DEV), pos.to(DEV), ForwardContext(md, kv)).float())
+        return outs
+
+    return run
+
+
+def _compare_decoders(fused: list[torch.Tensor], unfused: list[torch.Tensor]) -> None:
+    for a, b in zip(fused, unfused):
+        assert torch.isfinite(a).all()
+        # Two half-precision layers: only RMSNorm/SiLU ulps (and, in the interpreter, bf16
+        # truncation) differ, so the two paths stay close.
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+        assert (a - b).abs().mean() < 0.01
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decoder_wiring_with_fused_ops_forced(arch, tmp_path, monkeypatch):
+    """The layers' fused branches (residual threading, Qwen3 per-head norm on strided views,
+    in-place rotary) give the torch path's hidden states; on the CPU the predicate is forced."""
+    run = _decoder_runner(arch, "sdpa", torch.float16, tmp_path)
+    unfused = run()
+    calls = []
+
+    def forced(x: torch.Tensor) -> bool:
+        calls.append(x.dtype)
+        return x.dtype in (torch.float16, torch.bfloat16)
+
+    monkeypatch.setattr(fused_ops, "fused_ops_enabled", forced)
+    fused = run()
+    assert calls
+    _compare_decoders(fused, unfused)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("backend_name", ["triton", "sdpa"])
+def test_gpu_bf16_decoder_fused_matches_unfused(arch, backend_name, tmp_path, monkeypatch):
+    run = _decoder_runner(arch, backend_name, torch.bfloat16, tmp_path)
+    monkeypatch.delenv("EMBER_DISABLE_FUSED_OPS", raising=False)
+    fused = run()
+    monkeypatch.setenv("EMBER_DISABLE_FUSED_OPS", "1")
+    unfused = run()
+    _compare_decoders(fused, unfused)
