@@ -171,13 +171,17 @@ class Scheduler:
     def _describe(self, request: Request, out: SchedulerOutput) -> None:
         req_id = request.request_id
         known = self._known_to_workers.get(req_id)
-        self._known_to_workers[req_id] = self.kv.num_blocks_of(req_id)
+        num_blocks = self.kv.num_blocks_of(req_id)
         if known is not None:
-            out.cached_requests.append(
-                CachedRequestData(req_id, self.kv.block_ids(req_id, known),
-                                  request.num_computed_tokens)
-            )
+            # Workers count progress themselves; they only need to hear of new blocks.
+            if num_blocks != known:
+                self._known_to_workers[req_id] = num_blocks
+                out.cached_requests.append(
+                    CachedRequestData(req_id, self.kv.block_ids(req_id, known),
+                                      request.num_computed_tokens)
+                )
         else:
+            self._known_to_workers[req_id] = num_blocks
             self._worker_states.add(req_id)
             block_ids = self.kv.block_ids(req_id)
             out.new_requests.append(

@@ -21,7 +21,8 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request the workers already hold: its progress and the blocks added since last step."""
+    """A request the workers already hold that got new blocks this step (the workers count its
+    progress themselves; num_computed_tokens is the scheduler's count, for checking)."""
 
     req_id: str
     new_block_ids: list[int]

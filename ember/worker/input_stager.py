@@ -1,8 +1,12 @@
 """InputStager: moves a step's host arrays to the device through persistent pinned buffers.
 
 On CUDA, copies from pinned memory are truly asynchronous, so the host can go on building the
-next step. A pinned buffer must not be overwritten while its last copy may still be in flight:
-an event recorded after the copies guards that. On the CPU the arrays are used in place.
+next step. A pinned buffer must not be overwritten while a copy out of it may still be pending.
+The copies of a step are queued behind the previous step's forward, so with one step in flight
+(async scheduling) they land only when that forward ends: two sets of buffers used in turn let
+step N+1 be staged while step N still waits to copy. An event recorded after each step's copies
+guards its set; by the time a set comes round again, the step that used it has been resolved.
+On the CPU the arrays are used in place.
 """
 
 from __future__ import annotations
@@ -10,29 +14,36 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+_NUM_SETS = 2
+
 
 class InputStager:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._copies_done: torch.cuda.Event | None = None
+        self._sets: list[dict[str, torch.Tensor]] = [{} for _ in range(_NUM_SETS)]
+        self._copies_done: list[torch.cuda.Event | None] = [None] * _NUM_SETS
+        self._current = 0
 
     def begin(self) -> None:
-        """Call before staging a new step: waits until the previous step's copies have landed."""
-        if self._copies_done is not None:
-            self._copies_done.synchronize()
-            self._copies_done = None
+        """Call before staging a new step: switches to the other buffer set, waiting (rarely)
+        until the copies of the step that last used it have landed."""
+        self._current = (self._current + 1) % _NUM_SETS
+        done = self._copies_done[self._current]
+        if done is not None:
+            done.synchronize()
+            self._copies_done[self._current] = None
 
     def to_device(self, name: str, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         if not self.pinned:
             return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
         numel = array.size
-        buf = self._buffers.get(name)
+        buffers = self._sets[self._current]
+        buf = buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             capacity = max(numel, 2 * (buf.numel() if buf is not None else 0), 256)
             buf = torch.empty(capacity, dtype=dtype, pin_memory=True)
-            self._buffers[name] = buf
+            buffers[name] = buf
         host = buf[:numel]
         host.numpy()[:] = array.reshape(-1)
         return host.view(array.shape).to(self.device, non_blocking=True)
@@ -40,5 +51,6 @@ class InputStager:
     def end(self) -> None:
         """Call after the step's last to_device."""
         if self.pinned:
-            self._copies_done = torch.cuda.Event()
-            self._copies_done.record()
+            event = torch.cuda.Event()
+            event.record()
+            self._copies_done[self._current] = event

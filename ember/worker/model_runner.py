@@ -247,10 +247,10 @@ class ModelRunner:
             positions = self._stage("positions", batch.positions, torch.int64)
             ctx = ForwardContext(attn_metadata=self._metadata(batch), kv_caches=self.kv_caches)
             hidden = self.model(input_ids, positions, ctx)  # type: ignore[misc]
-        self.stager.end()
         self._prompt_logprobs(batch, hidden, out, step.result)
         if batch.sample_rows:
             self._sample(batch, hidden, step, previous)
+        self.stager.end()
         for req_id, num in out.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += num
         self.in_flight = step
@@ -273,8 +273,11 @@ class ModelRunner:
         from ember.layers.sampling_metadata import build_sampling_metadata
 
         rows = [self.states[batch.req_ids[row]] for row in batch.sample_rows]
-        indices = self._stage("logits_indices", batch.logits_indices, torch.int64)
-        logits = self.model.compute_logits(hidden[indices])  # type: ignore[union-attr]
+        if len(rows) == len(hidden):  # a pure decode step: every token samples, in order
+            logits = self.model.compute_logits(hidden)  # type: ignore[union-attr]
+        else:
+            indices = self._stage("logits_indices", batch.logits_indices, torch.int64)
+            logits = self.model.compute_logits(hidden[indices])  # type: ignore[union-attr]
         if all(_plain_greedy(s.sampling_params, len(s.output_token_ids)) for s in rows):
             # Nothing to build: no penalties, masks or logprobs, just the argmax.
             step.attach_samples(rows, logits.argmax(dim=-1), None)

@@ -1,0 +1,111 @@
+"""Profile a window of engine steps on the GPU: device time per kernel and host time per step.
+
+Runs the nano-vllm workload (dummy weights) through LLMEngine.step(), skips the prefill-heavy
+start, then records `--steps` decode steps with torch.profiler and prints the kernels by device
+time, the device busy time per step and the wall time per step, so one sees whether a step is
+bound by the host (wall >> device) or by the device.
+
+Usage: python benchmarks/profile_steps.py --model ember/configs/qwen3-0.6b [--steps 20] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from ember import SamplingParams
+from ember.bench.workloads import random_workload
+from ember.config import EngineArgs
+from ember.core.engine import LLMEngine
+
+
+def _time_calls(obj, names: list[str], totals: dict[str, float]) -> None:
+    """Wrap obj.<name> for each name so its wall time adds up in totals[name]."""
+    for name in names:
+        fn = getattr(obj, name)
+
+        def timed(*args, _fn=fn, _name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                totals[_name] += time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+
+def host_breakdown(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """Milliseconds per step spent in the main host-side pieces of a step (no profiler)."""
+    from collections import defaultdict
+
+    import ember.worker.model_runner as model_runner_module
+
+    totals: dict[str, float] = defaultdict(float)
+    runner = engine.executor.runner
+    _time_calls(runner, ["_update_states", "_fill_placeholders", "_sample", "launch"], totals)
+    _time_calls(runner.stager, ["begin", "end"], totals)
+    if runner.graph_runner is not None:
+        _time_calls(runner.graph_runner, ["run"], totals)
+    _time_calls(engine.scheduler, ["schedule", "update_from_output"], totals)
+    _time_calls(engine.output_processor, ["process"], totals)
+    _time_calls(model_runner_module, ["build_flat_batch"], totals)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    totals["step (wall)"] = time.perf_counter() - start
+    return {k: round(1000 * v / steps, 3) for k, v in totals.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--skip", type=int, default=60, help="steps to run before recording")
+    parser.add_argument("--out", default=None)
+    ns = parser.parse_args()
+
+    engine = LLMEngine(EngineArgs(model=ns.model, load_format="dummy", skip_tokenizer_init=True,
+                                  max_model_len=4096, show_progress=False))
+    vocab = engine.model_config.vocab_size
+    work = random_workload(256, (100, 1024), (100, 1024), vocab, 0)
+    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                          detokenize=False))
+    for _ in range(ns.skip):
+        engine.step()
+    torch.cuda.synchronize()
+    breakdown = host_breakdown(engine, ns.steps)
+    print("host ms per step:", json.dumps(breakdown, indent=1))
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(ns.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    table = events.table(sort_by="self_device_time_total", row_limit=25)
+    host = events.table(sort_by="self_cpu_time_total", row_limit=25)
+    summary = {
+        "model": ns.model, "steps": ns.steps, "running": len(engine.scheduler.running),
+        "wall_ms_per_step": 1000 * wall / ns.steps,
+        "device_busy_ms_per_step": device_us / 1000 / ns.steps,
+        "host_ms_per_step": breakdown,
+    }
+    print(json.dumps(summary, indent=1))
+    print(table)
+    print(host)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(summary, f, indent=1)
+            f.write("\n" + table + "\n" + host)
+
+
+if __name__ == "__main__":
+    main()
