@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Iterable
@@ -58,11 +57,6 @@ class LLMEngine:
         from ember.core.step_timer import StepTimer
 
         self.timer = StepTimer(envs.step_timing())
-        # Everything built so far (model, tokenizer, imported modules) lives as long as the
-        # engine: keep it out of the collector's full passes, which would scan it every time
-        # the per-step objects trigger one (vLLM does the same).
-        gc.collect()
-        gc.freeze()
         logger.info(
             "engine ready in %.1f s: %s (%s, %s), KV cache %d blocks x %d tokens, backend %s%s",
             time.perf_counter() - start, self.model_config.architecture, self.model_config.dtype,
