@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from ember.attention_backends.base import AttentionMetadata
@@ -100,23 +99,21 @@ class CudaGraphRunner:
             and batch.block_table.shape[1] <= self.block_table.shape[1]
         )
 
-    def run(self, batch: FlatBatch) -> torch.Tensor:
-        """Replay the graph for this pure-decode batch. The caller has put its input ids in
-        ``self.input_ids[:n]``; the rest is copied straight from pinned memory into the graph's
-        buffers, padding rows included (no KV write, no keys), one copy per buffer."""
+    def run(self, batch: FlatBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replay the graph for this pure-decode batch; input_ids are already on the device."""
         n = len(batch.req_ids)
         bs = next(s for s in self.sizes if s >= n)
-        copy_into = self.runner.stager.copy_into
-        slots = np.full(bs, -1, dtype=np.int64)
-        slots[:n] = batch.slot_mapping
-        seq_lens = np.zeros(bs, dtype=np.int32)
-        seq_lens[:n] = batch.seq_lens
-        # Whole rows, so the destination is contiguous (one plain copy, no strided scatter).
-        table = np.zeros((n, self.block_table.shape[1]), dtype=np.int32)
-        table[:, : batch.block_table.shape[1]] = batch.block_table
-        copy_into("graph_positions", batch.positions, self.positions[:n])
-        copy_into("graph_slot_mapping", slots, self.slot_mapping[:bs])
-        copy_into("graph_seq_lens", seq_lens, self.seq_lens[:bs])
-        copy_into("graph_block_table", table, self.block_table[:n])
+        stage = self.runner.stager.to_device
+        width = batch.block_table.shape[1]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(stage("positions", batch.positions, torch.int64), non_blocking=True)
+        self.slot_mapping[:n].copy_(stage("slot_mapping", batch.slot_mapping, torch.int64),
+                                    non_blocking=True)
+        self.seq_lens[:n].copy_(stage("seq_lens", batch.seq_lens, torch.int32), non_blocking=True)
+        self.block_table[:n, :width].copy_(stage("block_table", batch.block_table, torch.int32),
+                                           non_blocking=True)
+        if bs > n:  # padding rows: no KV write, no keys to read
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].fill_(0)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

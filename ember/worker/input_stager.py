@@ -37,16 +37,6 @@ class InputStager:
     def to_device(self, name: str, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         if not self.pinned:
             return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-        return self._pinned(name, array, dtype).to(self.device, non_blocking=True)
-
-    def copy_into(self, name: str, array: np.ndarray, dst: torch.Tensor) -> None:
-        """Copy `array` straight into the (contiguous) device tensor `dst` of the same shape."""
-        if not self.pinned:
-            dst.copy_(torch.from_numpy(np.ascontiguousarray(array)))
-            return
-        dst.copy_(self._pinned(name, array, dst.dtype), non_blocking=True)
-
-    def _pinned(self, name: str, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         numel = array.size
         buffers = self._sets[self._current]
         buf = buffers.get(name)
@@ -56,7 +46,7 @@ class InputStager:
             buffers[name] = buf
         host = buf[:numel]
         host.numpy()[:] = array.reshape(-1)
-        return host.view(array.shape)
+        return host.view(array.shape).to(self.device, non_blocking=True)
 
     def end(self) -> None:
         """Call after the step's last to_device."""

@@ -238,16 +238,11 @@ class ModelRunner:
         batch = build_flat_batch(self.states, out.num_scheduled_tokens, self.block_size,
                                  self.tables)
         self.stager.begin()
-        graphed = self.graph_runner is not None and self.graph_runner.can_run(batch)
-        if graphed:  # straight into the graph's input buffer
-            input_ids = self.graph_runner.input_ids[: len(batch.input_ids)]  # type: ignore[union-attr]
-            self.stager.copy_into("input_ids", batch.input_ids, input_ids)
-        else:
-            input_ids = self._stage("input_ids", batch.input_ids, torch.int64)
+        input_ids = self._stage("input_ids", batch.input_ids, torch.int64)
         if len(batch.placeholder_positions):
             self._fill_placeholders(input_ids, batch, previous)
-        if graphed:
-            hidden = self.graph_runner.run(batch)  # type: ignore[union-attr]
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            hidden = self.graph_runner.run(batch, input_ids)
         else:
             positions = self._stage("positions", batch.positions, torch.int64)
             ctx = ForwardContext(attn_metadata=self._metadata(batch), kv_caches=self.kv_caches)
@@ -269,12 +264,6 @@ class ModelRunner:
             if pending is None or pending[0] is not previous or previous.sampled is None:
                 raise RuntimeError("a placeholder token does not come from the step in flight")
             src_rows.append(pending[1])
-        count = len(src_rows)
-        if (count == len(previous.sampled) and src_rows == list(range(count))  # type: ignore[union-attr]
-                and batch.placeholder_positions[-1] == count - 1):
-            # Steady decoding: the same requests in the same order as the step in flight.
-            input_ids[:count].copy_(previous.sampled)  # type: ignore[union-attr]
-            return
         positions = self._stage("placeholder_positions", batch.placeholder_positions, torch.int64)
         sources = self._stage("placeholder_sources", np.array(src_rows), torch.int64)
         input_ids[positions] = previous.sampled[sources]  # type: ignore[index]
