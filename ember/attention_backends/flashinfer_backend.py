@@ -3,8 +3,8 @@
 FlashInfer kernels need a per-step plan (work partitioning over the batch). The first layer of a
 step plans both wrappers (decode for the leading one-token requests, prefill for the rest) and
 stores the plan on the step's metadata; every later layer with the same attention settings
-(sliding window, soft cap, scale) reuses it. Layers with other settings (models that mix sliding
-and full attention) get their own plan on their own wrappers and workspace. Planning reads host-side
+(sliding window, soft cap, scale, head geometry) reuses it. Layers with other settings (models that
+mix sliding and full attention) get their own plan on their own wrappers. Planning reads host-side
 lengths, so this backend runs eagerly (no CUDA graphs yet): the triton backend is the graph path.
 KV layout is ember's [2, num_blocks, block_size, kv_heads, head_size], passed to FlashInfer as an
 NHD (k_cache, v_cache) tuple without copying. An optional extra: `pip install ember[flashinfer]`.
@@ -51,7 +51,9 @@ class FlashInferImpl(AttentionImpl):
         plans = metadata.backend_data
         if not isinstance(plans, dict):
             plans = metadata.backend_data = {}
-        settings = (self.sliding_window, self.logits_soft_cap, self.scale)
+        # Everything a plan depends on besides the batch (layers may differ in any of it).
+        settings = (self.sliding_window, self.logits_soft_cap, self.scale, self.num_heads,
+                    self.num_kv_heads, self.head_size)
         if settings in plans:
             return plans[settings]
         import torch
@@ -107,7 +109,7 @@ class FlashInferBackend(AttentionBackend):
     name: ClassVar[str] = "flashinfer"
     supports_cuda_graphs: ClassVar[bool] = False
     _wrappers: ClassVar[dict[tuple, Any]] = {}
-    _workspace: ClassVar[dict[tuple, Any]] = {}
+    _workspace: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def impl_cls(cls) -> type[AttentionImpl]:
@@ -115,18 +117,17 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def wrapper(cls, kind: str, device, group_size: int, settings: tuple = ()):
-        """One wrapper per kind, device and layer settings; the wrappers of one settings share a
-        workspace buffer (steps are serial), different settings must not (both plans live)."""
+        """One wrapper per kind, device and layer settings (each holds its own plan), all sharing
+        one float workspace per device: it is scratch for a run, and runs are serial."""
         key = (kind, str(device), group_size >= 4, settings)
         if key not in cls._wrappers:
             import flashinfer
             import torch
 
-            ws_key = (str(device), settings)
-            ws = cls._workspace.get(ws_key)
+            ws = cls._workspace.get(str(device))
             if ws is None:
                 ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-                cls._workspace[ws_key] = ws
+                cls._workspace[str(device)] = ws
             if kind == "decode":
                 # Tensor cores pay off once several query heads share a kv head.
                 cls._wrappers[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
