@@ -106,9 +106,9 @@ class UniProcExecutor:
                 min(args.max_num_seqs, MAX_GRAPH_BATCH_SIZE)
             )
         if args.compile_model:
-            import torch
-
-            self.runner.model = torch.compile(self.runner.model, dynamic=True)
+            # After graph capture: decode graphs hold the eager kernels (fused ones on CUDA);
+            # the compiled model serves the steps that run eagerly (prefill, mixed, large).
+            self.runner.compile_model()
 
     def _profile(self, args: EngineArgs) -> None:
         """Measure the peak memory of the largest step before the KV cache takes the rest."""

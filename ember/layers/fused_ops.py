@@ -47,8 +47,15 @@ def _triton_installed() -> bool:
 
 
 def fused_ops_enabled(x: torch.Tensor) -> bool:
-    """Whether the layers should run ``x`` through the fused kernels."""
-    return x.is_cuda and x.dtype in _HALF and not envs.disable_fused_ops() and _triton_installed()
+    """Whether the layers should run ``x`` through the fused kernels (not under torch.compile:
+    inductor fuses the torch ops itself)."""
+    return (
+        x.is_cuda
+        and x.dtype in _HALF
+        and not torch.compiler.is_compiling()
+        and not envs.disable_fused_ops()
+        and _triton_installed()
+    )
 
 
 @functools.cache

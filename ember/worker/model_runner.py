@@ -100,6 +100,17 @@ class ModelRunner:
             count = quantize_model(self.model, method)
             logger.info("quantized %d linear layers with %s", count, cfg.quantization)
 
+    def compile_model(self) -> None:
+        """torch.compile the model around its attention layers. Those stay eager (dynamo skips
+        them): a backend reads host-side metadata and writes the paged KV cache in place, which
+        traced code would bake in; inductor fuses everything between them."""
+        from ember.layers.attention import Attention
+
+        for module in self.model.modules():  # type: ignore[union-attr]
+            if isinstance(module, Attention):
+                module.forward = torch.compiler.disable(module.forward)
+        self.model = torch.compile(self.model, dynamic=True)
+
     def kv_geometry(self) -> tuple[int, int, int]:
         model = self.model
         return model.num_layers, model.num_kv_heads, model.head_size  # type: ignore[union-attr]
