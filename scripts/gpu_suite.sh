@@ -4,6 +4,8 @@
 # Parts: ceilings tests smollm qwen3 llama8b kernels compile (default: all but compile). One
 # device call holds at most 10 minutes, so a full suite is split over two calls, e.g.
 #   scripts/gpu_suite.sh ceilings smollm qwen3 llama8b   then   scripts/gpu_suite.sh tests kernels
+# The device's copy of the tree may carry a stale git HEAD: prefix the command with
+# EMBER_COMMIT=<sha of what you sent> so the result files name the right commit.
 set -u
 LOG_NAME=suite.log
 source "$(dirname "$0")/gpu_common.sh"

@@ -21,6 +21,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ember.bench.provenance import git_commit
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -239,14 +241,6 @@ def _start_server(ns: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server did not become healthy in time")
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(ns: argparse.Namespace) -> int:
     import logging
 
@@ -269,7 +263,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.out:
         args = {k: str(v) if v == float("inf") else v  # JSON has no Infinity
                 for k, v in vars(ns).items() if k != "func"}
-        record = {"date": time.strftime("%Y-%m-%d"), "commit": _git_commit(),
+        record = {"date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
                   "machine": host_platform.processor() or host_platform.machine(),
                   "cpus": os.cpu_count(), "args": args, "results": summary}
         with open(ns.out, "w") as f:

@@ -10,15 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform as host_platform
-import subprocess
 import time
 
-
-def _git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+from ember.bench.provenance import git_commit
 
 
 def _sync(device: str) -> None:
@@ -184,7 +178,7 @@ def _span(values: list[int]) -> tuple[int, int]:
 def main(ns: argparse.Namespace) -> int:
     from ember.bench.workloads import random_workload
 
-    result: dict = {"date": time.strftime("%Y-%m-%d"), "commit": _git_commit(),
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
                     "machine": host_platform.processor() or host_platform.machine(),
                     "args": vars(ns).copy()}
     result["args"].pop("func", None)
