@@ -20,13 +20,16 @@ def tiny_path(tmp_path_factory) -> str:
     return str(make_tiny_model("llama", tmp_path_factory.mktemp("async")))
 
 
-def _args(path: str) -> EngineArgs:
-    return EngineArgs(model=path, skip_tokenizer_init=True, num_gpu_blocks_override=256)
+def _args(path: str, async_scheduling: bool = False) -> EngineArgs:
+    return EngineArgs(model=path, skip_tokenizer_init=True, num_gpu_blocks_override=256,
+                      async_scheduling=async_scheduling)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_path):
-    engine = AsyncLLM.from_engine_args(_args(tiny_path))
+# Both engine modes: with async scheduling (CUDA's default) outputs lag a step behind the
+# device and a request can end with a step still in flight.
+@pytest.fixture(scope="module", params=[False, True], ids=["sync_steps", "async_scheduling"])
+def engine(tiny_path, request):
+    engine = AsyncLLM.from_engine_args(_args(tiny_path, request.param))
     yield engine
     engine.shutdown_sync()
 
