@@ -52,6 +52,7 @@ PARAMS = {
     "logprobs_and_min_tokens": [SamplingParams(temperature=0.0, max_tokens=12, logprobs=3,
                                                min_tokens=6)] * 6,
     "n_3_seeded": [SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10)] * 2,
+    "prompt_logprobs": [SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2)] * 4,
 }
 
 
@@ -74,6 +75,9 @@ def test_async_equals_sync(engines, case, monkeypatch):
             assert ca.finish_reason == cb.finish_reason
             if cb.logprobs is not None:
                 assert [sorted(d) for d in ca.logprobs] == [sorted(d) for d in cb.logprobs]
+        if b.prompt_logprobs is not None:
+            assert [d and sorted(d) for d in a.prompt_logprobs] == [
+                d and sorted(d) for d in b.prompt_logprobs]
     assert_all_blocks_free(async_llm)
     assert not async_llm.llm_engine.has_unfinished_requests()
 
