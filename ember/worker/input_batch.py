@@ -107,9 +107,55 @@ def build_flat_batch(
 ) -> FlatBatch:
     # Decodes (one new token) first: backends split the batch there.
     req_ids = sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)
-    num_reqs = len(req_ids)
     rows = [states[r] for r in req_ids]
-    counts = [num_scheduled[r] for r in req_ids]
+    if all(num_scheduled[r] == 1 and s.num_computed_tokens + 1 == s.num_tokens
+           for r, s in zip(req_ids, rows)):
+        return _decode_batch(req_ids, rows, block_size, tables)
+    return _mixed_batch(req_ids, rows, [num_scheduled[r] for r in req_ids], block_size, tables)
+
+
+def _decode_batch(
+    req_ids: list[str], rows: list[CachedRequestState], block_size: int, tables: BlockTableRows
+) -> FlatBatch:
+    """Every request decodes its last known token: one token per row, each row samples. The same
+    arrays as _mixed_batch with a third of the numpy calls (a step's host time at small batch)."""
+    num_reqs = len(rows)
+    tokens = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1]
+              for s in rows]
+    positions = np.array([s.num_computed_tokens for s in rows], dtype=np.int64)
+    block_table = tables.table[[tables.row_of[r] for r in req_ids],
+                               : max(tables.length[r] for r in req_ids)]
+    row_index = np.arange(num_reqs)
+    slot_mapping = (
+        block_table[row_index, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
+    placeholders = np.array([i for i, t in enumerate(tokens) if t == PLACEHOLDER], dtype=np.int64)
+    return FlatBatch(
+        req_ids=req_ids,
+        query_lens=np.ones(num_reqs, dtype=np.int64),
+        input_ids=np.array(tokens, dtype=np.int64),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=np.arange(num_reqs + 1, dtype=np.int32),
+        seq_lens=(positions + 1).astype(np.int32),
+        block_table=block_table,
+        num_decode_tokens=num_reqs,
+        sample_rows=list(range(num_reqs)),
+        logits_indices=row_index,
+        placeholder_positions=placeholders,
+        placeholder_rows=placeholders,
+    )
+
+
+def _mixed_batch(
+    req_ids: list[str],
+    rows: list[CachedRequestState],
+    counts: list[int],
+    block_size: int,
+    tables: BlockTableRows,
+) -> FlatBatch:
+    num_reqs = len(rows)
     starts = [s.num_computed_tokens for s in rows]
     tokens: list[int] = []
     sample_rows, logits_indices = [], []
