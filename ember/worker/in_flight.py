@@ -25,9 +25,9 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class InFlightStep:
-    def __init__(self, result: ModelRunnerOutput | None = None) -> None:
+    def __init__(self) -> None:
         self.sampled: torch.Tensor | None = None  # [rows] on the device, read by the next step
-        self.result = result if result is not None else ModelRunnerOutput()  # filled as it goes
+        self.result = ModelRunnerOutput()  # filled as it goes
         self._rows: list[tuple[CachedRequestState, int]] = []  # state, index of its placeholder
         self._host_sampled: torch.Tensor | None = None
         self._host_logprobs: tuple[torch.Tensor, ...] | None = None
@@ -55,10 +55,6 @@ class InFlightStep:
             state.output_token_ids.append(PLACEHOLDER)
             state.pending = (self, row)
             self._rows.append((state, len(state.output_token_ids) - 1))
-
-    @property
-    def resolved(self) -> bool:
-        return self._resolved
 
     def resolve(self) -> ModelRunnerOutput:
         if self._resolved:
