@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device run (the lent H200): GPU tests, attention-kernel and engine benchmarks.
 # Usage there: scripts/gpu_suite.sh [PART...]   (with .whl carried; results under $OUT)
-# Parts: ceilings tests smollm qwen3 llama8b kernels compile (default: all but compile). One
+# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 (default: all but compile
+# and profile1; profile1 profiles batch-1 decode of SmolLM2 and Llama-8B). One
 # device call holds at most 10 minutes, so a full suite is split over two calls, e.g.
 #   scripts/gpu_suite.sh ceilings smollm qwen3 llama8b   then   scripts/gpu_suite.sh tests kernels
 # The device's copy of the tree may carry a stale git HEAD: prefix the command with
@@ -35,6 +36,11 @@ for part in $PARTS; do
                --hf-single-output-len 64 --out "$OUT/llama8b.json" ;;
     compile) stage qwen3_compile 200 $BENCH --model ember/configs/qwen3-0.6b $NANO --no-baseline \
                --compile-model --single-output-len 512 --out "$OUT/qwen3_compile.json" ;;
+    profile1) for model in smollm2-135m llama-3.1-8b; do
+                stage "profile1_$model" 120 python3 benchmarks/profile_steps.py \
+                  --model "ember/configs/$model" --num-requests 1 --input-len 128 128 \
+                  --output-len 600 600 --skip 20 --steps 100 --out "$OUT/profile1_$model.txt"
+              done ;;
     kernels) stage kernels 60 python3 benchmarks/attention_kernels.py --quick --block-sizes 16 \
                --out "$OUT/kernels.json" ;;
     *) echo "unknown part $part" ;;
