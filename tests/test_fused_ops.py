@@ -272,3 +272,22 @@ def test_gpu_bf16_decoder_fused_matches_unfused(arch, backend_name, tmp_path, mo
     monkeypatch.setenv("EMBER_DISABLE_FUSED_OPS", "1")
     unfused = run()
     _compare_decoders(fused, unfused)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_argmax_rows_matches_torch_including_ties(rows):
+    """Greedy argmax over vocabulary chunks: same ids as torch, ties resolved to the first
+    index (across chunks too), a vocabulary that is not a multiple of the chunk, and the
+    counters left zero so the next call (or a graph replay) starts clean."""
+    vocab = 10_000  # three chunks, the last one partial
+    logits = _randn(rows, vocab, dtype=torch.float32, seed=rows)
+    logits[0, 9_999] = 50.0  # the max in the partial last chunk
+    if rows > 1:
+        logits[1, 7_000] = logits[1, 123] = 60.0  # tie across chunks: the first wins
+        logits[2, :] = float("-inf")
+        logits[2, 4_096] = 1.0
+    for _ in range(2):
+        got = fused_ops.argmax_rows(logits)
+        assert got.dtype == torch.int64
+        assert torch.equal(got.cpu(), logits.argmax(dim=-1).cpu())
+    assert torch.count_nonzero(fused_ops._argmax_counters[str(logits.device)]) == 0

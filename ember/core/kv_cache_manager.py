@@ -55,7 +55,8 @@ class KVCacheManager:
             blocks = self.req_to_blocks.get(request.request_id)
             total = request.num_computed_tokens + num_new_tokens
             if blocks is not None and total <= len(blocks) * self.block_size:
-                self._cache_full_blocks(request, blocks, total)
+                if self.enable_caching:
+                    self._cache_full_blocks(request, blocks, total)
                 return True
         computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])

@@ -20,6 +20,8 @@ class ChildState:
     detokenizer: object | None  # IncrementalDetokenizer, or None with detokenize=False
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
+    # Nothing to do for it until it finishes: final-only output, no text, no logprobs.
+    quiet: bool = False
 
 
 @dataclass
@@ -39,12 +41,12 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
-        self.child_to_parent: dict[str, str] = {}
+        self.child_states: dict[str, tuple[ParentState, ChildState]] = {}  # by child id
 
     def add(self, parent: ParentState) -> None:
         self.parents[parent.request_id] = parent
         for child in parent.children:
-            self.child_to_parent[child.request.request_id] = parent.request_id
+            self.child_states[child.request.request_id] = (parent, child)
 
     def make_child(self, request: Request) -> ChildState:
         params = request.sampling_params
@@ -61,7 +63,10 @@ class OutputProcessor:
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
         wants_lp = params.logprobs is not None
-        return ChildState(request, detok, [] if wants_lp else None, 0.0 if wants_lp else None)
+        quiet = (params.output_kind == RequestOutputKind.FINAL_ONLY and detok is None
+                 and not wants_lp)
+        return ChildState(request, detok, [] if wants_lp else None, 0.0 if wants_lp else None,
+                          quiet)
 
     def _decode_token(self, token_id: int) -> str | None:
         if self.tokenizer is None:
@@ -79,12 +84,15 @@ class OutputProcessor:
         """Fold one step's results in; `stop_cb(child_ids)` ends children that hit a stop string."""
         changed: dict[str, ParentState] = {}
         stopped: list[str] = []
+        child_states, prompt_logprobs = self.child_states, runner_out.prompt_logprobs
         for request in touched:
-            parent = self.parents.get(self.child_to_parent.get(request.request_id, ""))
-            if parent is None:
+            entry = child_states.get(request.request_id)
+            if entry is None:
                 continue
-            child = parent.children[request.index]
-            if request.request_id in runner_out.prompt_logprobs and request.index == 0:
+            parent, child = entry
+            if child.quiet and not prompt_logprobs and not request.is_finished():
+                continue  # the common case of offline generate: nothing to report yet
+            if request.request_id in prompt_logprobs and request.index == 0:
                 self._add_prompt_logprobs(parent, runner_out.prompt_logprobs[request.request_id])
             token = runner_out.sampled_token_ids.get(request.request_id)
             hit_stop = False
@@ -164,7 +172,7 @@ class OutputProcessor:
     def _drop(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)
         for child in parent.children:
-            self.child_to_parent.pop(child.request.request_id, None)
+            self.child_states.pop(child.request.request_id, None)
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a parent; returns its children's ids so the scheduler can free them."""

@@ -96,8 +96,10 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        self._update_block_hashes()
+        all_ids = self.all_token_ids
+        all_ids.append(token_id)
+        if len(all_ids) >= (len(self.block_hashes) + 1) * self.block_size:  # a block filled up
+            self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
         """Extend the chained hashes to cover every full block of known tokens."""
@@ -109,10 +111,13 @@ class Request:
             self.block_hashes.append(hash_block_tokens(parent, block))
 
     def check_stop(self, max_model_len: int) -> bool:
-        """Token-level stop checks after a new token; sets status and stop_reason when done."""
+        """Token-level stop checks after a new token; sets status and stop_reason when done.
+        Runs for every request at every step, so it reads each attribute once."""
         params = self.sampling_params
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        output = self.output_token_ids
+        num_output = len(output)
+        if num_output >= params.min_tokens:
+            last = output[-1]
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -120,7 +125,7 @@ class Request:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
                 return True
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if num_output >= params.max_tokens or len(self.all_token_ids) >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

@@ -94,19 +94,24 @@ class Scheduler:
         scheduled: list[Request] = []
 
         idx = 0
-        while idx < len(self.running) and budget > 0:
-            request = self.running[idx]
+        running, max_model_len = self.running, self.max_model_len
+        # The hottest loop of the host side (every running request, every step): attributes
+        # are read directly rather than through Request's properties.
+        while idx < len(running) and budget > 0:
+            request = running[idx]
             pending = request.num_output_placeholders
-            if pending and request.num_output_tokens + pending >= request.max_tokens:
+            if pending and (len(request.output_token_ids) + pending
+                            >= request.sampling_params.max_tokens):
                 idx += 1  # its last token is already in flight: it finishes when that returns
                 continue
-            num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
-            num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
+            computed = request.num_computed_tokens
+            num_new = min(len(request.all_token_ids) + pending - computed, budget,
+                          max_model_len - computed)
             if num_new <= 0:
                 idx += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()  # the newest request loses its blocks
+                victim = running.pop()  # the newest request loses its blocks
                 self._preempt(victim, out)
                 preempted_now = True
                 if victim is request:
@@ -144,12 +149,16 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
 
+        known_blocks, blocks_of = self._known_to_workers, self.kv.req_to_blocks
+        num_scheduled, async_scheduling = out.num_scheduled_tokens, self.async_scheduling
         for request in scheduled:
-            self._describe(request, out)
-            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
-            if (
-                self.async_scheduling
-                and request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
+            req_id = request.request_id
+            known = known_blocks.get(req_id)
+            if known is None or len(blocks_of[req_id]) != known:
+                self._describe(request, out)
+            request.num_computed_tokens += num_scheduled[req_id]
+            if async_scheduling and request.num_computed_tokens == (
+                len(request.all_token_ids) + request.num_output_placeholders
             ):
                 request.num_output_placeholders += 1  # its sampled token is known after the step
         out.scheduled_requests = scheduled
@@ -202,11 +211,12 @@ class Scheduler:
         """Advance progress, append sampled tokens, finish requests; returns those with news."""
         now = time.time()
         touched: list[Request] = []
+        sampled, max_model_len = result.sampled_token_ids, self.max_model_len
         for request in out.scheduled_requests:
-            if request.is_finished():  # aborted or stopped while this step ran
+            if request.status >= RequestStatus.FINISHED_STOPPED:  # aborted/stopped meanwhile
                 continue
             req_id = request.request_id
-            token = result.sampled_token_ids.get(req_id)
+            token = sampled.get(req_id)
             if token is None:
                 if req_id in result.prompt_logprobs:
                     touched.append(request)
@@ -214,10 +224,11 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             request.append_output_token(token)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
-            if request.check_stop(self.max_model_len):
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            if request.check_stop(max_model_len):
                 self._remove(request)
                 self._free(request)
             touched.append(request)

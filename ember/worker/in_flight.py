@@ -51,10 +51,12 @@ class InFlightStep:
         if sampled.device.type == "cuda":
             self._ready = torch.cuda.Event()
             self._ready.record()
+        rows = self._rows
         for row, state in enumerate(states):
-            state.output_token_ids.append(PLACEHOLDER)
+            output = state.output_token_ids
+            output.append(PLACEHOLDER)
             state.pending = (self, row)
-            self._rows.append((state, len(state.output_token_ids) - 1))
+            rows.append((state, len(output) - 1))
 
     def resolve(self) -> ModelRunnerOutput:
         if self._resolved:

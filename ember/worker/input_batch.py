@@ -45,6 +45,7 @@ class FlatBatch:
     """One step's inputs, in batch order (decodes first). Host arrays; the runner moves them."""
 
     req_ids: list[str]
+    states: list[CachedRequestState]  # the request of each row
     query_lens: np.ndarray  # [num_reqs]
     input_ids: np.ndarray  # [num_tokens]
     positions: np.ndarray  # [num_tokens]
@@ -105,11 +106,13 @@ def build_flat_batch(
     block_size: int,
     tables: BlockTableRows,
 ) -> FlatBatch:
+    one_token_each = sum(num_scheduled.values()) == len(num_scheduled)
     # Decodes (one new token) first: backends split the batch there.
-    req_ids = sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)
-    rows = [states[r] for r in req_ids]
-    if all(num_scheduled[r] == 1 and s.num_computed_tokens + 1 == s.num_tokens
-           for r, s in zip(req_ids, rows)):
+    req_ids = (list(num_scheduled) if one_token_each
+               else sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1))
+    rows = list(map(states.__getitem__, req_ids))
+    if one_token_each and all(s.num_computed_tokens + 1
+                              == len(s.prompt_token_ids) + len(s.output_token_ids) for s in rows):
         return _decode_batch(req_ids, rows, block_size, tables)
     return _mixed_batch(req_ids, rows, [num_scheduled[r] for r in req_ids], block_size, tables)
 
@@ -123,8 +126,8 @@ def _decode_batch(
     tokens = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1]
               for s in rows]
     positions = np.array([s.num_computed_tokens for s in rows], dtype=np.int64)
-    block_table = tables.table[[tables.row_of[r] for r in req_ids],
-                               : max(tables.length[r] for r in req_ids)]
+    block_table = tables.table[list(map(tables.row_of.__getitem__, req_ids)),
+                               : max(map(tables.length.__getitem__, req_ids))]
     row_index = np.arange(num_reqs)
     slot_mapping = (
         block_table[row_index, positions // block_size].astype(np.int64) * block_size
@@ -133,6 +136,7 @@ def _decode_batch(
     placeholders = np.array([i for i, t in enumerate(tokens) if t == PLACEHOLDER], dtype=np.int64)
     return FlatBatch(
         req_ids=req_ids,
+        states=rows,
         query_lens=np.ones(num_reqs, dtype=np.int64),
         input_ids=np.array(tokens, dtype=np.int64),
         positions=positions,
@@ -190,6 +194,7 @@ def _mixed_batch(
     placeholder_positions = np.flatnonzero(input_ids == PLACEHOLDER)
     return FlatBatch(
         req_ids=req_ids,
+        states=rows,
         query_lens=query_lens,
         input_ids=input_ids,
         positions=positions,

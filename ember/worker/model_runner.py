@@ -10,6 +10,7 @@ import torch
 from ember.attention_backends.base import AttentionBackend, AttentionMetadata
 from ember.config import ModelConfig
 from ember.core.scheduler_output import SchedulerOutput
+from ember.layers.fused_ops import greedy_argmax
 from ember.layers.sampler import Sampler
 from ember.worker.in_flight import InFlightStep
 from ember.worker.input_batch import (
@@ -62,6 +63,8 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.tables = BlockTableRows()
         self.prompt_logprob_reqs: set[str] = set()  # requests that asked for prompt logprobs
+        # Requests whose sampling is more than an argmax; while none run, a step skips the check.
+        self.special_sampling_reqs: set[str] = set()
         self.kv_caches: list[torch.Tensor] = []
         self.model: torch.nn.Module | None = None
         self.graph_runner = None
@@ -185,6 +188,7 @@ class ModelRunner:
             self.states.pop(req_id, None)
             self.tables.remove(req_id)
             self.prompt_logprob_reqs.discard(req_id)
+            self.special_sampling_reqs.discard(req_id)
         for req_id in out.preempted_req_ids:
             # Keep the generator so a resumed seeded request continues its random stream.
             state = self.states.get(req_id)
@@ -205,6 +209,8 @@ class ModelRunner:
             self.tables.set(new.req_id, new.block_ids)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprob_reqs.add(new.req_id)
+            if not _plain_greedy(new.sampling_params, 0):  # more than an argmax at some step
+                self.special_sampling_reqs.add(new.req_id)
         for cached in out.cached_requests:
             state = self.states[cached.req_id]
             self.tables.append(cached.req_id, cached.new_block_ids)
@@ -269,12 +275,13 @@ class ModelRunner:
 
     def _fill_placeholders(self, input_ids: torch.Tensor, batch: FlatBatch,
                            previous: InFlightStep | None) -> None:
-        src_rows = []
-        for row in batch.placeholder_rows:
-            pending = self.states[batch.req_ids[row]].pending
-            if pending is None or pending[0] is not previous or previous.sampled is None:
-                raise RuntimeError("a placeholder token does not come from the step in flight")
-            src_rows.append(pending[1])
+        states = batch.states
+        pendings = [states[row].pending for row in batch.placeholder_rows]
+        if previous is None or previous.sampled is None or not all(
+            p is not None and p[0] is previous for p in pendings
+        ):
+            raise RuntimeError("a placeholder token does not come from the step in flight")
+        src_rows = [p[1] for p in pendings]  # type: ignore[index]
         positions = self._stage("placeholder_positions", batch.placeholder_positions, torch.int64)
         sources = self._stage("placeholder_sources", np.array(src_rows), torch.int64)
         input_ids[positions] = previous.sampled[sources]  # type: ignore[index]
@@ -283,15 +290,18 @@ class ModelRunner:
                 previous: InFlightStep | None) -> None:
         from ember.layers.sampling_metadata import build_sampling_metadata
 
-        rows = [self.states[batch.req_ids[row]] for row in batch.sample_rows]
-        if len(rows) == len(hidden):  # a pure decode step: every token samples, in order
+        if len(batch.sample_rows) == len(hidden):  # pure decode: every token samples, in order
+            rows = batch.states
             logits = self.model.compute_logits(hidden)  # type: ignore[union-attr]
         else:
+            rows = [batch.states[row] for row in batch.sample_rows]
             indices = self._stage("logits_indices", batch.logits_indices, torch.int64)
             logits = self.model.compute_logits(hidden[indices])  # type: ignore[union-attr]
-        if all(_plain_greedy(s.sampling_params, len(s.output_token_ids)) for s in rows):
+        if not self.special_sampling_reqs or all(
+            _plain_greedy(s.sampling_params, len(s.output_token_ids)) for s in rows
+        ):
             # Nothing to build: no penalties, masks or logprobs, just the argmax.
-            step.attach_samples(rows, logits.argmax(dim=-1), None)
+            step.attach_samples(rows, greedy_argmax(logits), None)
             return
         if previous is not None and any(
             s.pending is not None and _uses_penalties(s.sampling_params) for s in rows
