@@ -21,6 +21,7 @@ from ember import SamplingParams
 from ember.bench.workloads import random_workload
 from ember.config import EngineArgs
 from ember.core.engine import LLMEngine
+from ember.sampling_params import RequestOutputKind
 
 
 def _time_calls(obj, names: list[str], totals: dict[str, float]) -> None:
@@ -79,7 +80,8 @@ def main() -> None:
     for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
         engine.add_request(str(i), {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
-                                          detokenize=False))
+                                          detokenize=False,  # as LLM.generate / the bench
+                                          output_kind=RequestOutputKind.FINAL_ONLY))
     for _ in range(ns.skip):
         engine.step()
     torch.cuda.synchronize()
