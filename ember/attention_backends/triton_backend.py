@@ -119,8 +119,6 @@ class TritonImpl(AttentionImpl):
                 num_splits=splits,
                 logits_soft_cap=cap,
                 workspace=self._workspace(num_decodes, splits, query.device),
-                counters=None if splits == 1 else TritonBackend.split_counters(
-                    max(num_decodes, graph_batch) * self.num_kv_heads, query.device),
             )
         if num_reqs > num_decodes:
             # query_start_loc holds absolute token offsets, so slicing it keeps pointing at the
@@ -146,10 +144,8 @@ class TritonBackend(AttentionBackend):
     name: ClassVar[str] = "triton"
     supports_cuda_graphs: ClassVar[bool] = True
     graph_max_batch_size: ClassVar[int] = 0
-    # One split workspace and one set of split counters per device, shared by all layers (they
-    # run one after another).
+    # One split workspace per device, shared by all layers (they run one after another).
     _workspaces: ClassVar[dict[str, torch.Tensor]] = {}
-    _counters: ClassVar[dict[str, torch.Tensor]] = {}
 
     @classmethod
     def impl_cls(cls) -> type[AttentionImpl]:
@@ -169,17 +165,4 @@ class TritonBackend(AttentionBackend):
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=torch.float32, device=device)
             cls._workspaces[key] = buf
-        return buf
-
-    @classmethod
-    def split_counters(cls, numel: int, device: torch.device) -> torch.Tensor:
-        """Persistent zeroed int32 counters for the decode kernel's split merge (it leaves them
-        zero again); grown, never shrunk."""
-        import torch
-
-        key = str(device)
-        buf = cls._counters.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.zeros(numel, dtype=torch.int32, device=device)
-            cls._counters[key] = buf
         return buf

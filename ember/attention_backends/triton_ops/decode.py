@@ -5,9 +5,7 @@ head in the kv group at once (GQA: each K/V tile is read from HBM once for the w
 walks its share of the context in BLOCK_N-token tiles gathered through ``block_table``, and keeps
 an online softmax in fp32. With one split it writes the output directly (the fast path when the
 batch alone fills the GPU); otherwise it writes a normalised partial output and its log-sum-exp,
-and the last split of each (request, kv head) to finish merges them (an atomic counter per pair
-picks it), so split-KV costs no second kernel: at batch 1 that launch was a tenth of a decode
-step's layer time.
+and kernel 2 merges the splits of each (request, head).
 
 The grid depends only on the batch size and the split count, and empty splits or requests with
 ``seq_len == 0`` (padding in CUDA-graph batches) are handled in the kernels, so launches are
@@ -134,7 +132,6 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counters_ptr,
     scale,
     softcap,
     window,
@@ -149,7 +146,6 @@ def _decode_kernel(
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
@@ -217,39 +213,50 @@ def _decode_kernel(
         o_ptrs = o_ptrs + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
-        rows = (req.to(tl.int64) * NUM_HEADS + heads) * num_splits  # [GROUP_PAD], split 0
-        p_ptrs = part_out_ptr + (rows + split)[:, None] * HEAD_PAD + offs_d[None, :]
+        row = (req.to(tl.int64) * NUM_HEADS + heads) * num_splits + split  # [GROUP_PAD]
+        p_ptrs = part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :]
         keep = g_mask & (lo < hi)
         tl.store(p_ptrs, o, mask=keep[:, None])
-        tl.store(part_lse_ptr + rows + split, m_i + tl.log2(safe_l), mask=keep)
-        # The last split of this (request, kv head) to finish merges all of them: no second
-        # kernel. acq_rel orders every split's stores before its count, and makes them visible
-        # to the program that sees the final count; it then resets the counter for the next
-        # launch (a captured graph replays with the same counters).
-        counter = counters_ptr + req * NUM_KV_HEADS + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            n_valid = tl.cdiv(tl.maximum(seq_len - start, 0), per_split)
-            m_all = tl.full([GROUP_PAD], NEG_BIG, tl.float32)
-            l_all = tl.zeros([GROUP_PAD], tl.float32)
-            o_all = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-            for part in range(0, n_valid):
-                lse = tl.load(part_lse_ptr + rows + part, mask=g_mask, other=NEG_BIG,
-                              cache_modifier=".cg")
-                part_o = tl.load(part_out_ptr + (rows + part)[:, None] * HEAD_PAD
-                                 + offs_d[None, :], mask=g_mask[:, None], other=0.0,
-                                 cache_modifier=".cg")
-                m_new = tl.maximum(m_all, lse)
-                alpha = tl.exp2(m_all - m_new)
-                weight = tl.exp2(lse - m_new)
-                l_all = l_all * alpha + weight
-                o_all = o_all * alpha[:, None] + part_o * weight[:, None]
-                m_all = m_new
-            # No valid split (seq_len 0, a padded graph row): l_all is 0 and the output zeros.
-            o_all = o_all / tl.where(l_all > 0.0, l_all, 1.0)[:, None]
-            o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-            tl.store(o_ptrs + offs_d[None, :], o_all.to(out_ptr.dtype.element_ty),
-                     mask=g_mask[:, None] & d_mask[None, :])
-            tl.atomic_xchg(counter, 0)
+        tl.store(part_lse_ptr + row, m_i + tl.log2(safe_l), mask=keep)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    window,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    start, per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
+    # Only splits that saw keys wrote anything; the rest of the workspace is stale memory.
+    n_valid = tl.cdiv(tl.maximum(seq_len - start, 0), per_split)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    s_mask = offs_s < n_valid
+    row = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len == 0 (graph padding): output zeros
+    w = tl.where(s_mask, tl.exp2(lse - m), 0.0)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :],
+                    mask=s_mask[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
 
 
 def decode_workspace_numel(batch: int, num_heads: int, head_size: int, num_splits: int) -> int:
@@ -270,7 +277,6 @@ def paged_decode_attention(
     logits_soft_cap: float | None = None,
     max_seq_len: int | None = None,
     workspace: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged context.
@@ -279,9 +285,8 @@ def paged_decode_attention(
     head_size]; seq_lens: [batch] int32 (context length including the query token);
     block_table: [batch, max_blocks] int32. Returns out [batch, num_heads, head_size].
     ``num_splits=None`` picks from the batch (and ``max_seq_len`` when given); ``workspace``
-    (fp32, >= decode_workspace_numel(...)) avoids an allocation per call, and so do
-    ``counters`` (int32, >= batch * num_kv_heads, zero; the kernel leaves them zero); ``config``
-    overrides the tuned defaults (``DECODE_CONFIGS`` / ``DECODE_SPLIT_CONFIGS``).
+    (fp32, >= decode_workspace_numel(...)) avoids an allocation per call; ``config`` overrides
+    the tuned defaults (``DECODE_CONFIGS`` / ``DECODE_SPLIT_CONFIGS``).
     """
     batch, num_heads, head_size = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -302,16 +307,25 @@ def paged_decode_attention(
     sliding = sliding_window is not None and sliding_window > 0
     direct = num_splits == 1
     if direct:
-        part_out = part_lse = counters = out  # unused by the kernel
+        part_out = part_lse = out  # unused by the kernel
     else:
-        if counters is None or counters.numel() < batch * num_kv_heads:
-            counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
         n_part = batch * num_heads * num_splits
         need = n_part * (hpad + 1)
         if workspace is None or workspace.numel() < need:
             workspace = torch.empty(need, dtype=torch.float32, device=q.device)
         part_out = workspace[: n_part * hpad]
         part_lse = workspace[n_part * hpad : need]
+    common = dict(
+        window=sliding_window if sliding else 0,
+        num_splits=num_splits,
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=hpad,
+        BLOCK_N=cfg.block_n,
+        SLIDING=sliding,
+    )
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         kv_cache,
@@ -320,7 +334,6 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
-        counters,
         scale=scale,
         softcap=logits_soft_cap or 0.0,
         stride_qt=q.stride(0),
@@ -330,16 +343,6 @@ def paged_decode_attention(
         stride_ct=kv_cache.stride(2),
         stride_ch=kv_cache.stride(3),
         stride_bt=block_table.stride(0),
-        window=sliding_window if sliding else 0,
-        num_splits=num_splits,
-        stride_ot=out.stride(0),
-        stride_oh=out.stride(1),
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_SIZE=head_size,
-        HEAD_PAD=hpad,
-        BLOCK_N=cfg.block_n,
-        SLIDING=sliding,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,
@@ -348,5 +351,16 @@ def paged_decode_attention(
         DOT_PREC=dot_precision(kv_cache.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **common,
     )
+    if not direct:
+        _reduce_kernel[(batch, num_heads)](
+            part_out,
+            part_lse,
+            seq_lens,
+            out,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4 if hpad >= 128 else 2,
+            **common,
+        )
     return out
