@@ -65,3 +65,9 @@ def disable_fused_ops() -> bool:
     SiLU-and-mul) on CUDA in half precision too, instead of the fused Triton kernels of
     ember.layers.fused_ops (which are only ever used there)."""
     return _flag("EMBER_DISABLE_FUSED_OPS")
+
+
+def small_batch_gemv() -> bool:
+    """EMBER_SMALL_BATCH_GEMV=1: linear layers at batch <= 16 on CUDA in fp16/bf16 use the Triton
+    kernel of ember.layers.linear instead of cuBLAS (opt-in until measured on the GPU)."""
+    return _flag("EMBER_SMALL_BATCH_GEMV")

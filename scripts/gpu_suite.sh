@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The device run (the lent H200): GPU tests, attention-kernel and engine benchmarks.
 # Usage there: scripts/gpu_suite.sh [PART...]   (with .whl carried; results under $OUT)
-# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 (default: all but compile
-# and profile1; profile1 profiles batch-1 decode of SmolLM2 and Llama-8B). One
+# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 gemv (default: all but
+# compile, profile1 and gemv; profile1 profiles batch-1 decode of SmolLM2 and Llama-8B; gemv
+# measures the opt-in small-batch linear kernel). One
 # device call holds at most 10 minutes, so a full suite is split over two calls, e.g.
 #   scripts/gpu_suite.sh ceilings smollm qwen3 llama8b   then   scripts/gpu_suite.sh tests kernels
 # The device's copy of the tree may carry a stale git HEAD: prefix the command with
@@ -21,7 +22,8 @@ for part in $PARTS; do
     # JIT-compiles every kernel variant on a fresh machine (~20-40 s each): its grid runs the
     # benchmark head size (128) only unless GRID_FILTER= (empty) is set.
     tests) stage gpu_tests 330 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --durations=15 \
-             tests/test_fused_ops.py tests/test_triton_attention.py tests/test_gpu_engine.py \
+             tests/test_fused_ops.py tests/test_small_gemm.py tests/test_triton_attention.py \
+             tests/test_gpu_engine.py \
              tests/test_gpu_backend_grid.py --junitxml="$OUT/gpu_tests.xml" \
              -k "${GRID_FILTER-not (flashinfer and d64)}" ;;
     smollm) stage smollm 70 $BENCH --model ember/configs/smollm2-135m --num-prompts 64 \
@@ -41,6 +43,17 @@ for part in $PARTS; do
                   --model "ember/configs/$model" --num-requests 1 --input-len 128 128 \
                   --output-len 600 600 --skip 20 --steps 100 --out "$OUT/profile1_$model.txt"
               done ;;
+    # The small-batch linear kernel: per-shape timings against cuBLAS, then batch-1 decode with
+    # it off and on (EMBER_SMALL_BATCH_GEMV) in the same call.
+    gemv) stage small_gemm 120 python3 benchmarks/small_gemm.py --out "$OUT/small_gemm.json"
+          for flag in 0 1; do
+            for model in smollm2-135m llama-3.1-8b; do
+              EMBER_SMALL_BATCH_GEMV=$flag stage "gemv${flag}_$model" 100 $BENCH \
+                --model "ember/configs/$model" --num-prompts 16 --input-len 128 --output-len 128 \
+                --max-model-len 4096 --no-baseline --single-output-len 512 \
+                --out "$OUT/gemv${flag}_$model.json"
+            done
+          done ;;
     kernels) stage kernels 60 python3 benchmarks/attention_kernels.py --quick --block-sizes 16 \
                --out "$OUT/kernels.json" ;;
     *) echo "unknown part $part" ;;

@@ -64,12 +64,12 @@ def _jit(fn: Callable[..., None]) -> Any:
     """``triton.jit(fn)``, done on first use. This module is imported with every model, often
     before a test has chosen TRITON_INTERPRET, which triton reads when it defines a jit function
     (its own tl.sum etc. at import, ours here); so neither triton nor our kernels are set up
-    until a kernel is launched (and CPU-only runs never import triton)."""
-    global tl
+    until a kernel is launched (and CPU-only runs never import triton). The kernel's module
+    (this one, or another that keeps its kernels the same way) gets its ``tl`` then."""
     import triton
     import triton.language
 
-    tl = triton.language
+    fn.__globals__["tl"] = triton.language
     return triton.jit(fn)
 
 

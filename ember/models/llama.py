@@ -18,6 +18,7 @@ from torch import nn
 from ember.attention_backends.base import AttentionBackend
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import Attention, ForwardContext
+from ember.layers.linear import Linear
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding
 
@@ -70,8 +71,8 @@ class DecoderAttention(nn.Module):
         o_bias = attn_bias if spec.o_bias is None else spec.o_bias
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, hidden, o_bias, dtype=dtype)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype=dtype)
         self.qk_norm = spec.qk_norm
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, dtype)
@@ -104,10 +105,10 @@ class DecoderMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {act!r}: only silu is implemented")
         bias = bool(getattr(config, "mlp_bias", False)) if spec.mlp_bias is None else spec.mlp_bias
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias, dtype=dtype
         )
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias, dtype=dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype=dtype)
         self.act = SiluAndMul()
 
     def shard_sizes(self) -> list[int]:

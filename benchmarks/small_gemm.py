@@ -1,0 +1,99 @@
+"""GPU benchmark of the linear layers at decode batch sizes: cuBLAS (F.linear) against ember's
+small-batch Triton kernel (ember.layers.linear), at the projection shapes of the shipped models.
+
+Each timing replays a CUDA graph of 20 back-to-back calls, as a decode step's graph does, so
+launch cost inside a graph is counted and host launch cost is not; per call = replay time / 20.
+Bandwidth = weight bytes / time, also as a fraction of the device-to-device copy bandwidth.
+The kernel is checked against F.linear first. Sweeps (BLOCK_N, BLOCK_K) and prints, per shape,
+the best config and whether it beats cuBLAS; the model-level effect is what decides the default
+(EMBER_SMALL_BATCH_GEMV): run `ember bench throughput` with and without it.
+
+    python benchmarks/small_gemm.py --out small_gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+
+from ember.layers.linear import small_batch_linear, small_gemm_config  # noqa: E402
+
+SHAPES = {  # name: (out features N, in features K)
+    "smollm2 qkv": (960, 576), "smollm2 o": (576, 576), "smollm2 gate_up": (3072, 576),
+    "smollm2 down": (576, 1536), "qwen3 qkv": (4096, 1024), "qwen3 o": (1024, 2048),
+    "qwen3 gate_up": (6144, 1024), "qwen3 down": (1024, 3072), "llama8b qkv": (6144, 4096),
+    "llama8b o": (4096, 4096), "llama8b gate_up": (28672, 4096), "llama8b down": (4096, 14336),
+}
+CONFIGS = [(16, 128), (16, 256), (32, 128), (32, 256), (64, 128), (16, 512)]
+CALLS = 20
+
+
+def graph_time_us(fn) -> float:
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / CALLS)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_time_us(lambda: dst.copy_(src))
+    return 2 * src.numel() * 2 / (us * 1e-6)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ns = parser.parse_args()
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    results = []
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        for m in ns.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            want = F.linear(x, w)
+            torch.testing.assert_close(small_batch_linear(x, w).float(), want.float(),
+                                       atol=0.05, rtol=0.02)
+            row = {"shape": name, "n": n, "k": k, "rows": m,
+                   "cublas_us": graph_time_us(lambda x=x, w=w: F.linear(x, w)),
+                   "default_config": list(small_gemm_config(n, k))}
+            for cfg in CONFIGS:
+                row[f"triton_{cfg[0]}x{cfg[1]}_us"] = graph_time_us(
+                    lambda x=x, w=w, cfg=cfg: small_batch_linear(x, w, config=cfg))
+            best = min((v, key) for key, v in row.items() if key.startswith("triton_"))
+            row["best_triton"] = best[1]
+            row["best_triton_us"] = best[0]
+            row["cublas_fraction_of_copy"] = n * k * 2 / (row["cublas_us"] * 1e-6) / copy_bw
+            row["best_fraction_of_copy"] = n * k * 2 / (best[0] * 1e-6) / copy_bw
+            results.append(row)
+            print(f"{name:16s} m={m}: cublas {row['cublas_us']:7.2f} us "
+                  f"({row['cublas_fraction_of_copy']:.0%}), best triton {best[0]:7.2f} us "
+                  f"({row['best_fraction_of_copy']:.0%}) {best[1]}")
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump({"copy_bandwidth_Bps": copy_bw, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Linear: ``nn.Linear`` whose small-batch calls on CUDA can go to a Triton weight-streaming kernel.
+
+A decode step at batch <= 16 reads each weight once and does almost no arithmetic, so a linear
+layer should run at the copy bandwidth. On an H200 cuBLAS does not get there at batch 1: SmolLM2's
+1-3.5 MB projections take 3.7-3.9 us each (launch and ramp latency, 120 of them per step), and
+Llama-8B's qkv and o_proj reach ~74% of copy bandwidth (o_proj adds a split-K reduce kernel);
+profiles in docs/benchmarks.md. ``small_batch_linear`` streams W in [BLOCK_N, BLOCK_K] tiles,
+one program per BLOCK_N output features, with the <= 16 input rows padded to one tl.dot tile.
+
+It is opt-in (EMBER_SMALL_BATCH_GEMV=1, CUDA, fp16/bf16, not under torch.compile) until
+``benchmarks/small_gemm.py`` has measured it against cuBLAS on the GPU; the kernel is tested
+under TRITON_INTERPRET=1 on the CPU (tests/test_small_gemm.py). Subclassing nn.Linear keeps
+parameter names, weight loading and quantization (which replaces nn.Linear modules) unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember import envs
+from ember.layers import fused_ops
+
+SMALL_BATCH_MAX_ROWS = 16  # one tl.dot tile of rows
+# triton.language, set by fused_ops._jit on the first launch (the kernel body uses it as `tl`).
+tl: Any = None
+
+
+def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def small_gemm_config(n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): untuned first choice, about two programs per SM or more for the
+    large projections (benchmarks/small_gemm.py sweeps the alternatives)."""
+    block_n = 16 if n <= 8192 else 32
+    block_k = min(256, max(16, fused_ops._next_power_of_2(k)))
+    return block_n, block_k
+
+
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       config: tuple[int, int] | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a 2-D x of at most SMALL_BATCH_MAX_ROWS rows."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= SMALL_BATCH_MAX_ROWS and weight.shape[1] == k
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    block_n, block_k = config or small_gemm_config(n, k)
+    from ember.attention_backends.triton_ops.common import dot_precision
+
+    fused_ops._jit(_small_gemm_kernel)[(-(-n // block_n),)](
+        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0),
+        weight.stride(0), out.stride(0), BLOCK_M=SMALL_BATCH_MAX_ROWS, BLOCK_N=block_n,
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype),
+        num_warps=4, num_stages=4,
+    )
+    return out
+
+
+def small_batch_gemv_enabled(x: torch.Tensor) -> bool:
+    return (
+        x.dim() == 2
+        and x.shape[0] <= SMALL_BATCH_MAX_ROWS
+        and envs.small_batch_gemv()
+        and fused_ops.fused_ops_enabled(x)
+    )
+
+
+class Linear(nn.Linear):
+    """nn.Linear that sends small-batch CUDA half-precision calls to ``small_batch_linear`` when
+    EMBER_SMALL_BATCH_GEMV=1; otherwise exactly nn.Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if small_batch_gemv_enabled(x):
+            return small_batch_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)

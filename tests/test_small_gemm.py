@@ -1,0 +1,112 @@
+"""The small-batch linear kernel (ember.layers.linear) against F.linear.
+
+Without CUDA it runs under TRITON_INTERPRET=1 at small shapes; with CUDA the same cases run
+compiled, plus the projection shapes of the shipped models in bf16. The layer only takes the
+kernel on CUDA in half precision with EMBER_SMALL_BATCH_GEMV=1; elsewhere it is nn.Linear.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from ember.layers import linear  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEV)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEV) if bias else None
+    return x, w, b
+
+
+def _check(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:  # both accumulate in fp32; each output is rounded once, maybe differently
+        eps = torch.finfo(want.dtype).eps
+        torch.testing.assert_close(got.float(), want.float(), atol=4 * eps, rtol=4 * eps)
+
+
+# bf16 dots are wrong under the interpreter (no numpy bf16); fp16 covers half precision
+# there, and the GPU cases below run bf16 compiled.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 40, 72, False), (3, 17, 300, True),
+                                        (16, 64, 16, False), (5, 33, 520, True)])
+def test_small_batch_linear_matches_f_linear(m, n, k, bias, dtype):
+    # Shapes that are not multiples of the tiles (n 17/33/40, k 72/300/520) and every row count.
+    x, w, b = _case(m, n, k, dtype, bias)
+    _check(linear.small_batch_linear(x, w, b), F.linear(x, w, b))
+
+
+def test_small_batch_linear_strided_rows_and_explicit_config():
+    x, w, b = _case(4, 48, 96, torch.float32, True, seed=1)
+    wide = torch.zeros(4, 200, device=DEV)
+    wide[:, 10:106] = x  # a row-strided view, as q/k/v slices of a fused output are
+    got = linear.small_batch_linear(wide[:, 10:106], w, b, config=(32, 32))
+    _check(got, F.linear(x, w, b))
+
+
+def test_linear_layer_dispatch(monkeypatch):
+    """The layer equals nn.Linear everywhere; it only takes the kernel where enabled."""
+    layer = linear.Linear(24, 8, bias=True).to(DEV)
+    x = torch.randn(2, 24, device=DEV)
+    monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "1")
+    assert not linear.small_batch_gemv_enabled(x)  # float32: never
+    _check(layer(x), F.linear(x, layer.weight, layer.bias))
+    if torch.cuda.is_available():
+        assert linear.small_batch_gemv_enabled(x.bfloat16())
+        assert not linear.small_batch_gemv_enabled(torch.randn(17, 24, device=DEV).bfloat16())
+        monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "0")
+        assert not linear.small_batch_gemv_enabled(x.bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 576), (3072, 576), (576, 1536),
+                                 (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 8])
+def test_gpu_model_shapes(m, n, k):
+    x, w, _ = _case(m, n, k, torch.bfloat16, False)
+    _check(linear.small_batch_linear(x, w), F.linear(x, w))
+
+
+def test_decoder_with_small_batch_kernel_forced(tmp_path, monkeypatch):
+    """A tiny fp16 decoder whose projections go through the kernel (forced on the CPU; every
+    step here has <= 16 tokens) gives the hidden states of the nn.Linear path."""
+    from test_fused_ops import _compare_decoders, _decoder_runner
+
+    run = _decoder_runner("llama", "sdpa", torch.float16, tmp_path)
+    plain = run()
+    calls = []
+    real = linear.small_batch_linear
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(linear, "small_batch_gemv_enabled", lambda x: x.shape[0] <= 16)
+    monkeypatch.setattr(linear, "small_batch_linear", counted)
+    _compare_decoders(run(), plain)
+    assert len(calls) == 2 * 2 * 4  # 2 steps x 2 layers x (qkv, o, gate_up, down)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gpu_bf16_decoder_small_batch_kernel(arch, tmp_path, monkeypatch):
+    from test_fused_ops import _compare_decoders, _decoder_runner
+
+    run = _decoder_runner(arch, "triton", torch.bfloat16, tmp_path)
+    plain = run()
+    monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "1")
+    _compare_decoders(run(), plain)
