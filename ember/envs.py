@@ -71,3 +71,9 @@ def small_batch_gemv() -> bool:
     """EMBER_SMALL_BATCH_GEMV=1: linear layers at batch <= 16 on CUDA in fp16/bf16 use the Triton
     kernel of ember.layers.linear instead of cuBLAS (opt-in until measured on the GPU)."""
     return _flag("EMBER_SMALL_BATCH_GEMV")
+
+
+def decode_stores_kv() -> bool:
+    """EMBER_DECODE_STORES_KV=1: the triton backend's decode kernel writes the decode tokens'
+    K/V itself instead of a separate store kernel (opt-in until measured on the GPU)."""
+    return _flag("EMBER_DECODE_STORES_KV")

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The device run (the lent H200): GPU tests, attention-kernel and engine benchmarks.
 # Usage there: scripts/gpu_suite.sh [PART...]   (with .whl carried; results under $OUT)
-# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 gemv (default: all but
-# compile, profile1 and gemv; profile1 profiles batch-1 decode of SmolLM2 and Llama-8B; gemv
-# measures the opt-in small-batch linear kernel). One
+# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 optin (default: all but
+# compile, profile1 and optin; profile1 profiles batch-1 decode of SmolLM2 and Llama-8B; optin
+# measures the opt-in kernels, EMBER_SMALL_BATCH_GEMV and EMBER_DECODE_STORES_KV). One
 # device call holds at most 10 minutes, so a full suite is split over two calls, e.g.
 #   scripts/gpu_suite.sh ceilings smollm qwen3 llama8b   then   scripts/gpu_suite.sh tests kernels
 # The device's copy of the tree may carry a stale git HEAD: prefix the command with
@@ -43,17 +43,19 @@ for part in $PARTS; do
                   --model "ember/configs/$model" --num-requests 1 --input-len 128 128 \
                   --output-len 600 600 --skip 20 --steps 100 --out "$OUT/profile1_$model.txt"
               done ;;
-    # The small-batch linear kernel: per-shape timings against cuBLAS, then batch-1 decode with
-    # it off and on (EMBER_SMALL_BATCH_GEMV) in the same call.
-    gemv) stage small_gemm 120 python3 benchmarks/small_gemm.py --out "$OUT/small_gemm.json"
-          for flag in 0 1; do
-            for model in smollm2-135m llama-3.1-8b; do
-              EMBER_SMALL_BATCH_GEMV=$flag stage "gemv${flag}_$model" 100 $BENCH \
-                --model "ember/configs/$model" --num-prompts 16 --input-len 128 --output-len 128 \
-                --max-model-len 4096 --no-baseline --single-output-len 512 \
-                --out "$OUT/gemv${flag}_$model.json"
-            done
-          done ;;
+    # The opt-in kernels: small-batch linear per shape against cuBLAS, then batch-1 decode
+    # (and a short throughput run) with none / each / both of them, in the same call.
+    optin) stage small_gemm 120 python3 benchmarks/small_gemm.py --out "$OUT/small_gemm.json"
+           for variant in none gemv stores both; do
+             gemv=0; stores=0
+             case $variant in gemv) gemv=1 ;; stores) stores=1 ;; both) gemv=1; stores=1 ;; esac
+             for model in smollm2-135m llama-3.1-8b; do
+               EMBER_SMALL_BATCH_GEMV=$gemv EMBER_DECODE_STORES_KV=$stores \
+                 stage "optin_${variant}_$model" 100 $BENCH --model "ember/configs/$model" \
+                 --num-prompts 16 --input-len 128 --output-len 128 --max-model-len 4096 \
+                 --no-baseline --single-output-len 512 --out "$OUT/optin_${variant}_$model.json"
+             done
+           done ;;
     kernels) stage kernels 60 python3 benchmarks/attention_kernels.py --quick --block-sizes 16 \
                --out "$OUT/kernels.json" ;;
     *) echo "unknown part $part" ;;

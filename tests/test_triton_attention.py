@@ -180,6 +180,34 @@ def test_decode_split_and_direct(num_heads, num_kv_heads, head_size, block_size,
     _close(out, ref_attention(q, cache, list(range(5)), seq_lens, bt, 0.25), 1e-4)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_stores_new_kv(num_splits):
+    """new_kv: the kernel writes each request's new K/V at its slot (none for slot -1, a padded
+    row) and attends to them, from strided views of a fused qkv output as the model passes."""
+    seq_lens = [37, 9, 0]
+    num_kv_heads, head_size, block_size = 2, 32, 4
+    cache, bt = make_paged([37, 9, 1], num_kv_heads, head_size, block_size, seed=7)
+    slots = [int(bt[r, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+             for r, n in enumerate(seq_lens[:2])] + [-1]
+    qkv = torch.randn(3, (4 + 2 * num_kv_heads) * head_size, device=DEV)
+    q, k, v = qkv.split([4 * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1)
+    q = q.view(3, 4, head_size)
+    k, v = k.view(3, num_kv_heads, head_size), v.view(3, num_kv_heads, head_size)
+    want_cache = cache.clone()
+    for r in range(2):
+        block, offset = divmod(slots[r], block_size)
+        want_cache[0, block, offset], want_cache[1, block, offset] = k[r], v[r]
+    before = cache.clone()
+    out = paged_decode_attention(q, cache, _i32(seq_lens), bt, 0.25, num_splits=num_splits,
+                                 config=DecodeConfig(block_n=16),
+                                 new_kv=(k, v, torch.tensor(slots, device=DEV)))
+    assert torch.equal(cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
+    assert not torch.equal(before.nan_to_num(7.0), cache.nan_to_num(7.0))
+    ref = ref_attention(q, want_cache, [0, 1, 2, 3], seq_lens, bt, 0.25)
+    _close(out[:2], ref[:2], 1e-4)
+    assert torch.equal(out[2].cpu(), torch.zeros(4, head_size))
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_window_softcap_and_padding_rows(num_splits):
     # seq_len 0 marks a padded graph slot: its output must be finite (zeros), not NaN.
@@ -245,8 +273,11 @@ def _expected(q, k, v, cache, meta, num_heads, head_size, scale, window=None):
     return ref.view(n, num_heads * head_size), cache
 
 
+@pytest.mark.parametrize("decode_stores_kv", ["0", "1"])
 @pytest.mark.parametrize("graph_batch,shape", [(0, MIXED), (8, MIXED), (8, DECODE_ONLY)])
-def test_backend_forward(graph_batch, shape, monkeypatch):
+def test_backend_forward(graph_batch, shape, decode_stores_kv, monkeypatch):
+    # EMBER_DECODE_STORES_KV=1: the decode kernel writes the decode rows' K/V (same cache after).
+    monkeypatch.setenv("EMBER_DECODE_STORES_KV", decode_stores_kv)
     monkeypatch.setattr(TritonBackend, "graph_max_batch_size", 0)
     TritonBackend.prepare_graph_capture(graph_batch, 16, DEV)
     assert TritonBackend.name == "triton" and TritonBackend.supports_cuda_graphs

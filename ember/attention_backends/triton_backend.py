@@ -61,6 +61,12 @@ class TritonImpl(AttentionImpl):
 
         return triton_ops
 
+    @functools.cached_property
+    def _decode_stores_kv(self) -> bool:
+        from ember import envs
+
+        return envs.decode_stores_kv()
+
     def _decode_splits(self, batch: int, max_seq_len: int | None, device: torch.device) -> int:
         return _num_splits(batch, self.num_kv_heads, self.head_size, max_seq_len, _sms(device))
 
@@ -91,13 +97,18 @@ class TritonImpl(AttentionImpl):
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        ops.store_kv(k, v, kv_cache, metadata.slot_mapping)
+        num_decodes = metadata.num_decode_tokens
+        decode_stores = num_decodes > 0 and self._decode_stores_kv
+        if not decode_stores:
+            ops.store_kv(k, v, kv_cache, metadata.slot_mapping)
+        elif num_tokens > num_decodes:  # the decode kernel stores the decode rows' K/V
+            ops.store_kv(k[num_decodes:], v[num_decodes:], kv_cache,
+                         metadata.slot_mapping[num_decodes:])
 
         out = torch.empty(
             num_tokens, self.num_heads * self.head_size, dtype=query.dtype, device=query.device
         )
         out3 = out.view(num_tokens, self.num_heads, self.head_size)
-        num_decodes = metadata.num_decode_tokens
         num_reqs = metadata.num_reqs
         window = self.sliding_window
         cap = self.logits_soft_cap
@@ -119,6 +130,8 @@ class TritonImpl(AttentionImpl):
                 num_splits=splits,
                 logits_soft_cap=cap,
                 workspace=self._workspace(num_decodes, splits, query.device),
+                new_kv=(k[:num_decodes], v[:num_decodes], metadata.slot_mapping[:num_decodes])
+                if decode_stores else None,
             )
         if num_reqs > num_decodes:
             # query_start_loc holds absolute token offsets, so slicing it keeps pointing at the

@@ -132,6 +132,9 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    slot_ptr,
     scale,
     softcap,
     window,
@@ -145,6 +148,8 @@ def _decode_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    stride_knt,
+    stride_vnt,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -156,6 +161,7 @@ def _decode_kernel(
     SOFTCAP: tl.constexpr,
     DIRECT: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    STORE_NEW: tl.constexpr,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -178,6 +184,21 @@ def _decode_kernel(
 
     k_base = cache_ptr + kvh * stride_ch
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    last = seq_len - 1  # the new token's position
+    if STORE_NEW:
+        # The step's own K/V (instead of a separate store kernel): the split holding the new
+        # position writes them to the cache, and every split uses them from registers at that
+        # position rather than reading back what may not have landed yet.
+        k_new = tl.load(k_new_ptr + req.to(tl.int64) * stride_knt + kvh * HEAD_SIZE + offs_d,
+                        mask=d_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+        v_new = tl.load(v_new_ptr + req.to(tl.int64) * stride_vnt + kvh * HEAD_SIZE + offs_d,
+                        mask=d_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + req)
+        if (lo <= last) & (last < hi) & (slot >= 0):
+            new_ptrs = (k_base + (slot // BLOCK_SIZE) * stride_cb
+                        + (slot % BLOCK_SIZE) * stride_ct + offs_d)
+            tl.store(new_ptrs, k_new, mask=d_mask)
+            tl.store(new_ptrs + stride_ckv, v_new, mask=d_mask)
     m_i = tl.full([GROUP_PAD], NEG_BIG, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
@@ -196,6 +217,10 @@ def _decode_kernel(
             kv_mask = (pos < hi)[:, None] & d_mask[None, :]
         k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+        if STORE_NEW:
+            is_new = (pos == last)[:, None]
+            k = tl.where(is_new, k_new[None, :], k)
+            v = tl.where(is_new, v_new[None, :], v)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         s = scaled_scores(qk, scale, softcap, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -278,6 +303,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     workspace: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged context.
 
@@ -286,7 +312,9 @@ def paged_decode_attention(
     block_table: [batch, max_blocks] int32. Returns out [batch, num_heads, head_size].
     ``num_splits=None`` picks from the batch (and ``max_seq_len`` when given); ``workspace``
     (fp32, >= decode_workspace_numel(...)) avoids an allocation per call; ``config`` overrides
-    the tuned defaults (``DECODE_CONFIGS`` / ``DECODE_SPLIT_CONFIGS``).
+    the tuned defaults (``DECODE_CONFIGS`` / ``DECODE_SPLIT_CONFIGS``). ``new_kv = (k, v,
+    slot_mapping)`` ([batch, num_kv_heads, head_size] x 2, [batch]) are the step's new keys and
+    values, not yet in the cache: the kernel stores them (slot -1: nothing) and attends to them.
     """
     batch, num_heads, head_size = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -326,6 +354,12 @@ def paged_decode_attention(
         BLOCK_N=cfg.block_n,
         SLIDING=sliding,
     )
+    if new_kv is not None:
+        k_new, v_new, slots = new_kv
+        assert k_new.stride(-1) == 1 and k_new.stride(-2) == head_size
+        assert v_new.stride(-1) == 1 and v_new.stride(-2) == head_size
+    else:
+        k_new = v_new = slots = q  # unused by the kernel
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         kv_cache,
@@ -334,6 +368,9 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
+        k_new,
+        v_new,
+        slots,
         scale=scale,
         softcap=logits_soft_cap or 0.0,
         stride_qt=q.stride(0),
@@ -343,6 +380,9 @@ def paged_decode_attention(
         stride_ct=kv_cache.stride(2),
         stride_ch=kv_cache.stride(3),
         stride_bt=block_table.stride(0),
+        stride_knt=k_new.stride(0),
+        stride_vnt=v_new.stride(0),
+        STORE_NEW=new_kv is not None,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,
