@@ -100,8 +100,9 @@ def ember_runner(q, cache, seq_lens, block_table, scale, cfg, splits):
     return run
 
 
-def flashinfer_runner(q, cache, seq_lens, block_table, scale):
-    """flashinfer's paged decode on the same cache (NHD layout, K and V passed as a tuple)."""
+def flashinfer_runner(q, cache, seq_lens, block_table, scale, use_tensor_cores=False):
+    """flashinfer's paged decode on the same cache (NHD layout, K and V passed as a tuple).
+    ember's flashinfer backend uses tensor cores from GQA group 4 on; both ways are measured."""
     import flashinfer
 
     batch, block_size = q.shape[0], cache.shape[2]
@@ -112,7 +113,8 @@ def flashinfer_runner(q, cache, seq_lens, block_table, scale):
     indices = block_table[mask].to(torch.int32)
     last = (seq_lens - 1) % block_size + 1
     workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                            use_tensor_cores=use_tensor_cores)
     wrapper.plan(indptr, indices, last.to(torch.int32), NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE,
                  block_size, sm_scale=scale, q_data_type=q.dtype, kv_data_type=cache.dtype)
     kv = (cache[0], cache[1])
@@ -188,7 +190,10 @@ def bench_shape(batch, ctx, bs, copy_tbs, sms, args, rows, best) -> None:
     except ImportError:
         print("  flashinfer not importable: skipped")
     else:
-        measure("flashinfer", lambda: flashinfer_runner(q, cache, seq_lens, block_table, scale))
+        for tensor_cores in (False, True):
+            measure("flashinfer" + ("-tc" if tensor_cores else ""),
+                    lambda tc=tensor_cores: flashinfer_runner(q, cache, seq_lens, block_table,
+                                                              scale, tc))
 
 
 def main() -> None:
