@@ -59,17 +59,18 @@ def test_small_batch_linear_strided_rows_and_explicit_config():
 
 
 def test_linear_layer_dispatch(monkeypatch):
-    """The layer equals nn.Linear everywhere; it only takes the kernel where enabled."""
-    layer = linear.Linear(24, 8, bias=True).to(DEV)
-    x = torch.randn(2, 24, device=DEV)
+    """The layer equals nn.Linear everywhere; it only takes the kernel where enabled: the flag
+    is read when the layer is built, the input decides per call."""
+    assert not linear.Linear(4, 4).small_batch_kernel  # off by default
     monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "1")
+    layer = linear.Linear(24, 8, bias=True).to(DEV)
+    assert layer.small_batch_kernel
+    x = torch.randn(2, 24, device=DEV)
     assert not linear.small_batch_gemv_enabled(x)  # float32: never
     _check(layer(x), F.linear(x, layer.weight, layer.bias))
     if torch.cuda.is_available():
         assert linear.small_batch_gemv_enabled(x.bfloat16())
         assert not linear.small_batch_gemv_enabled(torch.randn(17, 24, device=DEV).bfloat16())
-        monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "0")
-        assert not linear.small_batch_gemv_enabled(x.bfloat16())
 
 
 @pytest.mark.gpu
@@ -86,8 +87,9 @@ def test_decoder_with_small_batch_kernel_forced(tmp_path, monkeypatch):
     step here has <= 16 tokens) gives the hidden states of the nn.Linear path."""
     from test_fused_ops import _compare_decoders, _decoder_runner
 
+    monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "1")  # read as the layers are built
     run = _decoder_runner("llama", "sdpa", torch.float16, tmp_path)
-    plain = run()
+    plain = run()  # on the CPU the input test says no until forced below
     calls = []
     real = linear.small_batch_linear
 
@@ -106,7 +108,6 @@ def test_decoder_with_small_batch_kernel_forced(tmp_path, monkeypatch):
 def test_gpu_bf16_decoder_small_batch_kernel(arch, tmp_path, monkeypatch):
     from test_fused_ops import _compare_decoders, _decoder_runner
 
-    run = _decoder_runner(arch, "triton", torch.bfloat16, tmp_path)
-    plain = run()
-    monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "1")
-    _compare_decoders(run(), plain)
+    plain = _decoder_runner(arch, "triton", torch.bfloat16, tmp_path)()
+    monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "1")  # read as the layers are built
+    _compare_decoders(_decoder_runner(arch, "triton", torch.bfloat16, tmp_path)(), plain)

@@ -85,19 +85,20 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def small_batch_gemv_enabled(x: torch.Tensor) -> bool:
-    return (
-        x.dim() == 2
-        and x.shape[0] <= SMALL_BATCH_MAX_ROWS
-        and envs.small_batch_gemv()
-        and fused_ops.fused_ops_enabled(x)
-    )
+    """Whether this input may take the kernel (the layer also needs EMBER_SMALL_BATCH_GEMV)."""
+    return x.dim() == 2 and x.shape[0] <= SMALL_BATCH_MAX_ROWS and fused_ops.fused_ops_enabled(x)
 
 
 class Linear(nn.Linear):
     """nn.Linear that sends small-batch CUDA half-precision calls to ``small_batch_linear`` when
-    EMBER_SMALL_BATCH_GEMV=1; otherwise exactly nn.Linear."""
+    EMBER_SMALL_BATCH_GEMV=1 was set as the layer was built; otherwise exactly nn.Linear (one
+    attribute test per call: eager steps call every projection of every layer)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.small_batch_kernel = envs.small_batch_gemv()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if small_batch_gemv_enabled(x):
+        if self.small_batch_kernel and small_batch_gemv_enabled(x):
             return small_batch_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
