@@ -325,7 +325,7 @@ _argmax_counters: dict[str, torch.Tensor] = {}
 def _argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, counters_ptr, out_ptr, n_cols, stride_x,
                    num_chunks, CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     # Grid (rows, chunks): each program finds its chunk's max and first index of it; the last
-    # program of a row to finish (an atomic count, as in the split-KV decode) picks the winner
+    # program of a row to finish (an atomic count per row, no second kernel) picks the winner
     # (largest value, then smallest index: torch's first-occurrence rule) and resets the count.
     row = tl.program_id(0)
     chunk = tl.program_id(1)
