@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The device run (the lent H200): GPU tests, attention-kernel and engine benchmarks.
 # Usage there: scripts/gpu_suite.sh [PART...]   (with .whl carried; results under $OUT)
-# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 optin (default: all but
-# compile, profile1 and optin; profile1 profiles batch-1 decode of SmolLM2 and Llama-8B; optin
-# measures the opt-in kernels, EMBER_SMALL_BATCH_GEMV and EMBER_DECODE_STORES_KV). One
+# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 optin latency (default:
+# all but compile, profile1, optin and latency; profile1 profiles batch-1 decode of SmolLM2 and
+# Llama-8B; optin measures the opt-in kernels, EMBER_SMALL_BATCH_GEMV and
+# EMBER_DECODE_STORES_KV; latency times decode attention per layer at batch 1 and 4). One
 # device call holds at most 10 minutes, so a full suite is split over two calls, e.g.
 #   scripts/gpu_suite.sh ceilings smollm qwen3 llama8b   then   scripts/gpu_suite.sh tests kernels
 # The device's copy of the tree may carry a stale git HEAD: prefix the command with
@@ -56,6 +57,7 @@ for part in $PARTS; do
                  --no-baseline --single-output-len 512 --out "$OUT/optin_${variant}_$model.json"
              done
            done ;;
+    latency) stage decode_latency 150 python3 benchmarks/decode_latency.py --out "$OUT/decode_latency.json" ;;
     kernels) stage kernels 60 python3 benchmarks/attention_kernels.py --quick --block-sizes 16 \
                --out "$OUT/kernels.json" ;;
     *) echo "unknown part $part" ;;
@@ -74,3 +76,7 @@ if e:
 EOF
 done
 tail -c 2500 "$LOG"
+# The device returns at most 8 files: pack the results (the log stays readable on its own).
+if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar czf /tmp/results.tgz --exclude="$LOG_NAME" . && find . -type f ! -name "$LOG_NAME" -delete && mv /tmp/results.tgz .)
+fi

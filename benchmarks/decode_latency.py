@@ -1,0 +1,121 @@
+"""GPU benchmark of paged decode attention at small batch and short context (decode latency).
+
+Batch-1 decode is bound by the sum of ~10 small kernels per layer, and the attention kernel is
+one of the larger ones there. This times ``paged_decode_attention`` (and the K/V store it needs)
+the way a decode step's CUDA graph runs it: one call per layer, each layer with its own cache so
+nothing is served from L2, 32 calls per replayed graph; per call = replay time / 32. It sweeps
+the split count and the tile size, with the K/V store as a separate kernel or inside the decode
+kernel (``new_kv``), for the attention shapes of the shipped models.
+
+    python benchmarks/decode_latency.py --out decode_latency.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+
+from ember.attention_backends.triton_ops import store_kv  # noqa: E402
+from ember.attention_backends.triton_ops.decode import (  # noqa: E402
+    DecodeConfig,
+    choose_num_splits,
+    default_config,
+    paged_decode_attention,
+)
+
+SHAPES = {"llama8b": (32, 8, 128), "qwen3": (16, 8, 128), "smollm2": (9, 3, 64)}
+LAYERS = 32
+BLOCK_SIZE = 16
+
+
+def graph_time_us(fn, calls: int) -> float:
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def run_case(shape: tuple[int, int, int], batch: int, context: int, splits: int,
+             config: DecodeConfig | None, fused_store: bool) -> float:
+    num_heads, num_kv_heads, head_size = shape
+    blocks_per_req = -(-context // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_req
+    caches = [torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, device="cuda",
+                          dtype=torch.bfloat16) for _ in range(LAYERS)]
+    block_table = torch.arange(num_blocks, device="cuda", dtype=torch.int32).view(batch, -1)
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    slots = (block_table[:, (context - 1) // BLOCK_SIZE].long() * BLOCK_SIZE
+             + (context - 1) % BLOCK_SIZE)
+    q = torch.randn(batch, num_heads, head_size, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, num_kv_heads, head_size, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+    workspace = torch.empty(batch * num_heads * max(splits, 1) * (head_size + 1), device="cuda")
+
+    def step() -> None:
+        for cache in caches:
+            if not fused_store:
+                store_kv(k, v, cache, slots)
+            paged_decode_attention(q, cache, seq_lens, block_table, 0.1, out=out,
+                                   num_splits=splits, workspace=workspace, config=config,
+                                   new_kv=(k, v, slots) if fused_store else None)
+
+    return graph_time_us(step, LAYERS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 384, 640, 1024])
+    ns = parser.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    results = []
+    for name, shape in SHAPES.items():
+        for batch in ns.batches:
+            graph_splits = choose_num_splits(batch, shape[1], None, default_config(shape[2]), sms)
+            for context in ns.contexts:
+                best = None
+                for splits in sorted({1, 2, 4, 8, 16, graph_splits}):
+                    configs = [None] if splits == 1 else [None, DecodeConfig(block_n=64, num_stages=2),
+                                                         DecodeConfig(block_n=32, num_stages=2)]
+                    for config in configs:
+                        for fused in (False, True):
+                            us = run_case(shape, batch, context, splits, config, fused)
+                            row = {"shape": name, "batch": batch, "context": context,
+                                   "splits": splits, "graph_default_splits": graph_splits,
+                                   "block_n": config.block_n if config else None,
+                                   "fused_store": fused, "us_per_layer": round(us, 2)}
+                            results.append(row)
+                            if best is None or us < best["us_per_layer"]:
+                                best = row
+                default = [r for r in results if r["shape"] == name and r["batch"] == batch
+                           and r["context"] == context and r["splits"] == graph_splits
+                           and r["block_n"] is None]
+                print(f"{name} b{batch} ctx{context}: graph default ({graph_splits} splits) "
+                      + " / ".join(f"{r['us_per_layer']} us{' fused' if r['fused_store'] else ''}"
+                                   for r in default)
+                      + f"; best {best['us_per_layer']} us at {best['splits']} splits "
+                        f"block_n {best['block_n']} fused {best['fused_store']}", flush=True)
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
