@@ -14,6 +14,10 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _flag_default_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("0", "false", "no", "off")
+
+
 def plugins_allowlist() -> list[str] | None:
     """EMBER_PLUGINS: comma-separated plugins to load, by entry-point or distribution name
     (case, '-', '_' and '.' do not matter); unset = all, empty string = none."""
@@ -68,12 +72,12 @@ def disable_fused_ops() -> bool:
 
 
 def small_batch_gemv() -> bool:
-    """EMBER_SMALL_BATCH_GEMV=1: linear layers at batch <= 16 on CUDA in fp16/bf16 use the Triton
-    kernel of ember.layers.linear instead of cuBLAS (opt-in until measured on the GPU)."""
-    return _flag("EMBER_SMALL_BATCH_GEMV")
+    """EMBER_SMALL_BATCH_GEMV (default on; 0 = off): linear layers of up to 64 MB of weights at
+    batch <= 16 on CUDA in fp16/bf16 use the Triton kernel of ember.layers.linear, not cuBLAS."""
+    return _flag_default_on("EMBER_SMALL_BATCH_GEMV")
 
 
 def decode_stores_kv() -> bool:
-    """EMBER_DECODE_STORES_KV=1: the triton backend's decode kernel writes the decode tokens'
-    K/V itself instead of a separate store kernel (opt-in until measured on the GPU)."""
-    return _flag("EMBER_DECODE_STORES_KV")
+    """EMBER_DECODE_STORES_KV (default on; 0 = off): the triton backend's decode kernel writes
+    the decode tokens' K/V itself instead of a separate store kernel."""
+    return _flag_default_on("EMBER_DECODE_STORES_KV")

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The device run (the lent H200): GPU tests, attention-kernel and engine benchmarks.
 # Usage there: scripts/gpu_suite.sh [PART...]   (with .whl carried; results under $OUT)
-# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 optin latency (default:
-# all but compile, profile1, optin and latency; profile1 profiles batch-1 decode of SmolLM2 and
-# Llama-8B; optin measures the opt-in kernels, EMBER_SMALL_BATCH_GEMV and
-# EMBER_DECODE_STORES_KV; latency times decode attention per layer at batch 1 and 4). One
+# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 gemm optin latency
+# (default: the first six; profile1 profiles batch-1 decode of SmolLM2 and Llama-8B; gemm times
+# the small-batch linear kernel against cuBLAS; optin measures batch 1 with the decode-step
+# kernels EMBER_SMALL_BATCH_GEMV / EMBER_DECODE_STORES_KV off and on (OPTIN_VARIANTS="none
+# gemv stores both"); latency times decode attention per layer at batch 1 and 4). One
 # device call holds at most 10 minutes, so a full suite is split over two calls, e.g.
 #   scripts/gpu_suite.sh ceilings smollm qwen3 llama8b   then   scripts/gpu_suite.sh tests kernels
 # The device's copy of the tree may carry a stale git HEAD: prefix the command with
@@ -44,10 +45,10 @@ for part in $PARTS; do
                   --model "ember/configs/$model" --num-requests 1 --input-len 128 128 \
                   --output-len 600 600 --skip 20 --steps 100 --out "$OUT/profile1_$model.txt"
               done ;;
-    # The opt-in kernels: small-batch linear per shape against cuBLAS, then batch-1 decode
+    gemm) stage small_gemm 120 python3 benchmarks/small_gemm.py --out "$OUT/small_gemm.json" ;;
+    # The decode-step kernels (EMBER_SMALL_BATCH_GEMV, EMBER_DECODE_STORES_KV): batch-1 decode
     # (and a short throughput run) with none / each / both of them, in the same call.
-    optin) stage small_gemm 120 python3 benchmarks/small_gemm.py --out "$OUT/small_gemm.json"
-           for variant in none gemv stores both; do
+    optin) for variant in ${OPTIN_VARIANTS:-none gemv stores both}; do
              gemv=0; stores=0
              case $variant in gemv) gemv=1 ;; stores) stores=1 ;; both) gemv=1; stores=1 ;; esac
              for model in smollm2-135m llama-3.1-8b; do

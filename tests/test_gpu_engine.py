@@ -110,11 +110,12 @@ def test_async_scheduling_equals_sync(tiny):
 
 
 @pytest.mark.parametrize("flag", ["EMBER_DECODE_STORES_KV", "EMBER_SMALL_BATCH_GEMV"])
-def test_opt_in_kernels_keep_greedy_tokens(tiny, flag, monkeypatch):
-    """The opt-in kernels run under graphs and async scheduling. Both round their own way (the
-    decode kernel adds the new key as a separate product, the linear kernel sums in another
-    order), so near-ties of a random bf16 model may flip later tokens; the first tokens come
-    from the prefill, which neither touches, and must agree. The kernel tests check values."""
+def test_decode_step_kernels_keep_greedy_tokens(tiny, flag, monkeypatch):
+    """The decode-step kernels (on by default; 0 = the plain path) run under graphs and async
+    scheduling. Both round their own way (the decode kernel adds the new key as a separate
+    product, the linear kernel sums in another order), so near-ties of a random bf16 model may
+    flip later tokens; the first tokens come from the prefill, which neither touches, and must
+    agree. The kernel tests check values."""
     arch, path = tiny
     prompts = [{"prompt_token_ids": p} for p in _prompts(320)]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)

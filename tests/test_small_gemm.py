@@ -2,7 +2,8 @@
 
 Without CUDA it runs under TRITON_INTERPRET=1 at small shapes; with CUDA the same cases run
 compiled, plus the projection shapes of the shipped models in bf16. The layer only takes the
-kernel on CUDA in half precision with EMBER_SMALL_BATCH_GEMV=1; elsewhere it is nn.Linear.
+kernel on CUDA in half precision for weights up to the size limit, unless EMBER_SMALL_BATCH_GEMV
+is 0; elsewhere it is nn.Linear.
 """
 
 from __future__ import annotations
@@ -60,11 +61,17 @@ def test_small_batch_linear_strided_rows_and_explicit_config():
 
 def test_linear_layer_dispatch(monkeypatch):
     """The layer equals nn.Linear everywhere; it only takes the kernel where enabled: the flag
-    is read when the layer is built, the input decides per call."""
-    assert not linear.Linear(4, 4).small_batch_kernel  # off by default
-    monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "1")
+    and the weight size are read when the layer is built, the input decides per call."""
+    monkeypatch.delenv("EMBER_SMALL_BATCH_GEMV", raising=False)
     layer = linear.Linear(24, 8, bias=True).to(DEV)
-    assert layer.small_batch_kernel
+    assert layer.small_batch_kernel  # on by default
+    monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "0")
+    assert not linear.Linear(24, 8).small_batch_kernel
+    monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "1")
+    # Llama-8B's down projection (117 MB in bf16) stays on cuBLAS, its o_proj does not.
+    with torch.device("meta"):
+        assert not linear.Linear(14336, 4096, bias=False).small_batch_kernel
+        assert linear.Linear(4096, 4096, bias=False).small_batch_kernel
     x = torch.randn(2, 24, device=DEV)
     assert not linear.small_batch_gemv_enabled(x)  # float32: never
     _check(layer(x), F.linear(x, layer.weight, layer.bias))
@@ -80,6 +87,14 @@ def test_linear_layer_dispatch(monkeypatch):
 def test_gpu_model_shapes(m, n, k):
     x, w, _ = _case(m, n, k, torch.bfloat16, False)
     _check(linear.small_batch_linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("n,k", [(40, 4100), (24, 1600), (72, 600)])
+def test_every_default_config_matches_f_linear(n, k):
+    """Each branch of small_gemm_config (long K, few outputs over a long K, the rest) computes
+    the right result with the tiles it picks, including the partial last tiles."""
+    x, w, b = _case(2, n, k, torch.float32, True, seed=3)
+    _check(linear.small_batch_linear(x, w, b), F.linear(x, w, b))
 
 
 def test_decoder_with_small_batch_kernel_forced(tmp_path, monkeypatch):
@@ -108,6 +123,7 @@ def test_decoder_with_small_batch_kernel_forced(tmp_path, monkeypatch):
 def test_gpu_bf16_decoder_small_batch_kernel(arch, tmp_path, monkeypatch):
     from test_fused_ops import _compare_decoders, _decoder_runner
 
+    monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "0")  # read as the layers are built
     plain = _decoder_runner(arch, "triton", torch.bfloat16, tmp_path)()
-    monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "1")  # read as the layers are built
+    monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "1")
     _compare_decoders(_decoder_runner(arch, "triton", torch.bfloat16, tmp_path)(), plain)

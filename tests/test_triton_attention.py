@@ -24,10 +24,12 @@ from ember.attention_backends.triton_backend import TritonBackend  # noqa: E402
 from ember.attention_backends.triton_ops import (  # noqa: E402
     DecodeConfig,
     PrefillConfig,
+    choose_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
     store_kv,
 )
+from ember.attention_backends.triton_ops.decode import default_config  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -219,6 +221,31 @@ def test_decode_window_softcap_and_padding_rows(num_splits):
     assert torch.equal(out[1].cpu(), torch.zeros(4, 32))
     ref = ref_attention(q, cache, [0, 1, 2, 3], seq_lens, bt, 0.3, 7, 2.0)
     _close(out[[0, 2]], ref[[0, 2]], 1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_default_configs_latency_and_split(batch):
+    """Without a config the kernel picks its tiles: a split launch of at most one program per SM
+    (4 under the interpreter) takes the latency tiles, a larger one the split tiles."""
+    seq_lens = [150, 97][:batch]
+    cache, bt = make_paged(seq_lens, 2, 64, 16, seed=6)
+    q = torch.randn(batch, 8, 64, device=DEV)
+    assert default_config(64, split=True, latency=True) != default_config(64, split=True)
+    out = paged_decode_attention(q, cache, _i32(seq_lens), bt, 0.2, num_splits=2)
+    _close(out, ref_attention(q, cache, list(range(batch + 1)), seq_lens, bt, 0.2), 1e-4)
+
+
+def test_split_choice_follows_batch_and_lengths():
+    """H200-sized choices: unknown lengths (graph capture) split a lone request, but no more
+    than graph_max_splits; a known short context is split at most into one-tile pieces; a
+    batch that fills the GPU is not split."""
+    policy = default_config(128)
+    alone = choose_num_splits(1, 8, None, policy, sms=132)
+    assert 1 < alone <= policy.graph_max_splits
+    short = choose_num_splits(1, 8, 600, policy, sms=132)
+    assert 1 < short <= -(-600 // policy.min_split_tokens)
+    assert choose_num_splits(1, 8, 32768, policy, sms=132) > policy.graph_max_splits
+    assert choose_num_splits(256, 8, None, policy, sms=132) == 1
 
 
 # ----------------------------------------------------------------------------- backend

@@ -1,18 +1,19 @@
 """Linear: ``nn.Linear`` whose small-batch calls on CUDA can go to a Triton weight-streaming kernel.
 
 A decode step at batch <= 16 reads each weight once and does almost no arithmetic, so a linear
-layer should run at the copy bandwidth. On an H200 cuBLAS does not get there at batch 1: SmolLM2's
-1-3.5 MB projections take 3.7-3.9 us each (launch and ramp latency, 120 of them per step), and
-Llama-8B's qkv and o_proj reach ~74% of copy bandwidth (o_proj adds a split-K reduce kernel);
-profiles in docs/benchmarks.md. ``small_batch_linear`` streams W in [BLOCK_N, BLOCK_K] tiles,
-one program per BLOCK_N output features, with the <= 16 input rows padded to one tl.dot tile.
+layer should run at the copy bandwidth. On an H200 cuBLAS does not get there for the smaller
+projections: SmolLM2's 1-3.5 MB ones take 3.4-4.8 us each (launch and ramp latency, 120 of them
+per step), Qwen3-0.6B's o_proj takes 12.8 us at batch 1, and Llama-8B's o_proj adds a split-K
+reduce kernel. ``small_batch_linear`` streams W in [BLOCK_N, BLOCK_K] tiles, one program per
+BLOCK_N output features, with the <= 16 input rows padded to one tl.dot tile.
 
-It is opt-in (EMBER_SMALL_BATCH_GEMV=1, CUDA, fp16/bf16, not under torch.compile) until
-``benchmarks/small_gemm.py`` has measured it against cuBLAS on the GPU; the kernel is tested
-under TRITON_INTERPRET=1 on the CPU (tests/test_small_gemm.py). Subclassing nn.Linear keeps
-parameter names, weight loading and quantization (which replaces nn.Linear modules) unchanged.
+Measured per shape against cuBLAS (benchmarks/small_gemm.py, docs/benchmarks.md) it wins up to
+tens of MB of weights and loses on Llama-8B's 117-235 MB gate_up and down, where cuBLAS streams
+at the copy bandwidth: so layers of at most SMALL_BATCH_MAX_WEIGHT_ELEMENTS take it. On by default
+on CUDA in fp16/bf16 outside torch.compile; EMBER_SMALL_BATCH_GEMV=0 turns it off. Tested under
+TRITON_INTERPRET=1 on the CPU (tests/test_small_gemm.py). Subclassing nn.Linear keeps parameter
+names, weight loading and quantization (which replaces nn.Linear modules) unchanged.
 """
-
 from __future__ import annotations
 
 from typing import Any
@@ -25,6 +26,8 @@ from ember import envs
 from ember.layers import fused_ops
 
 SMALL_BATCH_MAX_ROWS = 16  # one tl.dot tile of rows
+# 64 MB in bf16: Llama-8B's qkv (50 MB) and o_proj (34 MB) gain or tie, its gate_up and down lose.
+SMALL_BATCH_MAX_WEIGHT_ELEMENTS = 32 * 2**20
 # triton.language, set by fused_ops._jit on the first launch (the kernel body uses it as `tl`).
 tl: Any = None
 
@@ -52,11 +55,15 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stri
 
 
 def small_gemm_config(n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): untuned first choice, about two programs per SM or more for the
-    large projections (benchmarks/small_gemm.py sweeps the alternatives)."""
-    block_n = 16 if n <= 8192 else 32
-    block_k = min(256, max(16, fused_ops._next_power_of_2(k)))
-    return block_n, block_k
+    """(BLOCK_N, BLOCK_K) for an [n, k] weight: the best of benchmarks/small_gemm.py's sweep on an
+    H200 at batch 1 for the shipped models' shapes, as a rule. Few output features over a long K
+    (down, o_proj of the small models) want few programs with long tiles; K >= 4096 wants 512-byte
+    rows per tile; the rest 32 x 128 tiles."""
+    if k >= 4096:
+        return 32, 256
+    if n <= 1024 and k >= 1536:
+        return 16, 512
+    return 32, 128
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -91,12 +98,16 @@ def small_batch_gemv_enabled(x: torch.Tensor) -> bool:
 
 class Linear(nn.Linear):
     """nn.Linear that sends small-batch CUDA half-precision calls to ``small_batch_linear`` when
-    EMBER_SMALL_BATCH_GEMV=1 was set as the layer was built; otherwise exactly nn.Linear (one
-    attribute test per call: eager steps call every projection of every layer)."""
+    its weight is small enough and EMBER_SMALL_BATCH_GEMV was not 0 as the layer was built;
+    otherwise exactly nn.Linear (one attribute test per call: eager steps call every projection
+    of every layer)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.small_batch_kernel = envs.small_batch_gemv()
+        self.small_batch_kernel = (
+            envs.small_batch_gemv()
+            and self.in_features * self.out_features <= SMALL_BATCH_MAX_WEIGHT_ELEMENTS
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.small_batch_kernel and small_batch_gemv_enabled(x):

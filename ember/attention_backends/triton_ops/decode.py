@@ -41,8 +41,15 @@ class DecodeConfig:
     # programs 3.47 TB/s, 768 programs 4.05 TB/s).
     direct_programs_per_sm: int = 4
     programs_per_sm: int = 3
-    min_split_tokens: int = 512  # never make splits shorter than this (reduce overhead)
+    # Splits shorter than this are not worth their share of the reduce. At batch 1 a single
+    # program per kv head walks its tiles one dependent load after another (Llama-8B shape,
+    # 640 keys: 21 us unsplit, 7.2 us over 16 splits of 64 keys), so the floor is one tile.
+    min_split_tokens: int = 64
     max_splits: int = 64
+    # With unknown lengths (a captured CUDA graph replays whatever lengths come), at most this
+    # many: every split that a short context leaves empty still launches and enters the reduce
+    # (H200, batch 1, 128-1024 keys: 16 splits 5.2-7.7 us per layer, 49-64 splits 5.3-8.2).
+    graph_max_splits: int = 16
 
 
 # Defaults per padded head size, measured on an H200 (bf16, GQA 32/8, block size 16 and 64) with
@@ -60,15 +67,29 @@ DECODE_SPLIT_CONFIGS: dict[int, DecodeConfig] = {
     128: DecodeConfig(block_n=128, num_warps=4, num_stages=2),
     256: DecodeConfig(block_n=64, num_warps=4, num_stages=2),
 }
+# Split launches of at most one program per SM (small batches) are bound by each program's chain
+# of dependent loads, not by bandwidth: smaller tiles shorten it and spread short contexts over
+# more splits (benchmarks/decode_latency.py, H200, batch 1, 16 splits, 384-1024 keys: Llama-8B
+# shape 7.0-7.7 us per layer with 64-key tiles against 8.0-8.4 with 128; SmolLM2 shape 5.2-5.4
+# with 64 against 6.8-7.0 with 256).
+DECODE_LATENCY_CONFIGS: dict[int, DecodeConfig] = {
+    64: DecodeConfig(block_n=64, num_warps=4, num_stages=2),
+    128: DecodeConfig(block_n=64, num_warps=4, num_stages=2),
+    256: DecodeConfig(block_n=32, num_warps=4, num_stages=2),
+}
 
 
-def default_config(head_size: int, split: bool = False) -> DecodeConfig:
-    """Kernel config for the no-split path, or for the split path (``split=True``).
+def default_config(head_size: int, split: bool = False, latency: bool = False) -> DecodeConfig:
+    """Kernel config for the no-split path, the split path (``split=True``), or a split launch
+    with at most one program per SM (``latency=True`` too).
 
     The split policy (programs_per_sm, min_split_tokens, max_splits) is read from the no-split
     entry, so the choice of splits never depends on the config it then selects.
     """
-    table = DECODE_SPLIT_CONFIGS if split else DECODE_CONFIGS
+    if not split:
+        table = DECODE_CONFIGS
+    else:
+        table = DECODE_LATENCY_CONFIGS if latency else DECODE_SPLIT_CONFIGS
     return table.get(head_pad(head_size), DecodeConfig())
 
 
@@ -87,17 +108,19 @@ def choose_num_splits(
     """Splits per request that make batch * kv_heads * splits programs fill whole waves.
 
     1 (the no-split fast path) when the batch alone fills its waves about as well. On an H200
-    with 8 kv heads: batch 128 -> 1, 96 -> 2, 64 -> 1, 32 -> 3, 16 -> 3, 8 -> 6, 2 -> 24.
-    ``max_seq_len=None`` (e.g. CUDA-graph capture, where lengths change at replay) assumes long
-    contexts; the kernels then shrink the splits a short request actually uses.
+    with 8 kv heads and unknown lengths: batch 128 -> 1, 96 -> 2, 64 -> 1, 32 -> 3, 16 -> 3,
+    8 -> 6, 4 -> 12, 1 -> 16. ``max_seq_len=None`` (e.g. CUDA-graph capture, where lengths
+    change at replay) allows up to ``graph_max_splits``; the kernels then shrink the splits a
+    short request actually uses.
     """
     base = batch * num_kv_heads
     direct_wave = sms * config.direct_programs_per_sm
     if base >= 2 * direct_wave:
         return 1  # many waves: quantisation no longer matters
-    max_splits = config.max_splits
-    if max_seq_len is not None:
-        max_splits = min(max_splits, triton.cdiv(max_seq_len, config.min_split_tokens))
+    if max_seq_len is None:
+        max_splits = config.graph_max_splits
+    else:
+        max_splits = min(config.max_splits, triton.cdiv(max_seq_len, config.min_split_tokens))
     split_wave = sms * config.programs_per_sm
     # At most four waves: more only adds reduce work and shorter, less efficient programs.
     max_splits = min(max_splits, 4 * split_wave // base)
@@ -333,11 +356,12 @@ def paged_decode_attention(
     assert out.stride(-1) == 1
     if batch == 0:
         return out
+    sms = num_sms(device_index(q))
     if num_splits is None:
         policy = config or default_config(head_size)
-        sms = num_sms(device_index(q))
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, policy, sms)
-    cfg = config or default_config(head_size, split=num_splits > 1)
+    cfg = config or default_config(head_size, split=num_splits > 1,
+                                   latency=batch * num_kv_heads * num_splits <= sms)
     group = num_heads // num_kv_heads
     hpad = head_pad(head_size)
     sliding = sliding_window is not None and sliding_window > 0
