@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The device run (the lent H200): GPU tests, attention-kernel and engine benchmarks.
 # Usage there: scripts/gpu_suite.sh [PART...]   (with .whl carried; results under $OUT)
-# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 gemm optin latency
+# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 gemm optin storesab latency
 # (default: the first six; profile1 profiles batch-1 decode of SmolLM2 and Llama-8B; gemm times
 # the small-batch linear kernel against cuBLAS; optin measures batch 1 with the decode-step
 # kernels EMBER_SMALL_BATCH_GEMV / EMBER_DECODE_STORES_KV off and on (OPTIN_VARIANTS="none
-# gemv stores both"); latency times decode attention per layer at batch 1 and 4). One
+# gemv stores both"); storesab: Qwen3 throughput with EMBER_DECODE_STORES_KV=0 and 1; latency
+# times decode attention per layer at batch 1 and 4). One
 # device call holds at most 10 minutes, so a full suite is split over two calls, e.g.
 #   scripts/gpu_suite.sh ceilings smollm qwen3 llama8b   then   scripts/gpu_suite.sh tests kernels
 # The device's copy of the tree may carry a stale git HEAD: prefix the command with
@@ -58,6 +59,12 @@ for part in $PARTS; do
                  --no-baseline --single-output-len 512 --out "$OUT/optin_${variant}_$model.json"
              done
            done ;;
+    # Throughput with the decode kernel's K/V store off and on (the default), same call.
+    storesab) for stores in 0 1; do
+                EMBER_DECODE_STORES_KV=$stores stage "storesab_${stores}_qwen3" 130 $BENCH \
+                  --model ember/configs/qwen3-0.6b $NANO --no-baseline --single-output-len 64 \
+                  --out "$OUT/storesab_${stores}_qwen3.json"
+              done ;;
     latency) stage decode_latency 150 python3 benchmarks/decode_latency.py --out "$OUT/decode_latency.json" ;;
     kernels) stage kernels 60 python3 benchmarks/attention_kernels.py --quick --block-sizes 16 \
                --out "$OUT/kernels.json" ;;

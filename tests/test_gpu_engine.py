@@ -155,7 +155,15 @@ def test_flashinfer_end_to_end_equals_triton(tiny):
                   max_model_len=512, kv_cache_memory_bytes=1 << 30, enforce_eager=True)
         outs[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert_all_blocks_free(llm)
-    agree = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
-                for a, b in zip(outs["triton"], outs["flashinfer"]))
-    # bf16 kernels round differently; most sequences must agree token for token.
-    assert agree >= len(prompts) - 2, agree
+    # bf16 kernels round differently, so a random model's near-ties may go either way: every
+    # sequence must agree up to its first difference, and there flashinfer's token must have
+    # been a near-tie in the triton run (within 0.1 nats of triton's choice, in its top 5).
+    for a, b in zip(outs["triton"], outs["flashinfer"]):
+        ids_a, ids_b = a.outputs[0].token_ids, b.outputs[0].token_ids
+        if ids_a == ids_b:
+            continue
+        first = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)
+        top = a.outputs[0].logprobs[first]
+        assert ids_b[first] in top, (first, ids_b[first], top)
+        gap = top[ids_a[first]].logprob - top[ids_b[first]].logprob
+        assert gap < 0.1, (first, gap)
