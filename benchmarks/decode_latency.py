@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
+from benchmarks.small_gemm import graph_time_us  # noqa: E402
 from ember.attention_backends.triton_ops import store_kv  # noqa: E402
 from ember.attention_backends.triton_ops.decode import (  # noqa: E402
     DecodeConfig,
@@ -32,23 +33,6 @@ from ember.attention_backends.triton_ops.decode import (  # noqa: E402
 SHAPES = {"llama8b": (32, 8, 128), "qwen3": (16, 8, 128), "smollm2": (9, 3, 64)}
 LAYERS = 32
 BLOCK_SIZE = 16
-
-
-def graph_time_us(fn, calls: int) -> float:
-    fn()  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def run_case(shape: tuple[int, int, int], batch: int, context: int, splits: int,
@@ -68,15 +52,15 @@ def run_case(shape: tuple[int, int, int], batch: int, context: int, splits: int,
     out = torch.empty_like(q)
     workspace = torch.empty(batch * num_heads * max(splits, 1) * (head_size + 1), device="cuda")
 
-    def step() -> None:
-        for cache in caches:
-            if not fused_store:
-                store_kv(k, v, cache, slots)
-            paged_decode_attention(q, cache, seq_lens, block_table, 0.1, out=out,
-                                   num_splits=splits, workspace=workspace, config=config,
-                                   new_kv=(k, v, slots) if fused_store else None)
+    def layer(i: int) -> None:
+        cache = caches[i]
+        if not fused_store:
+            store_kv(k, v, cache, slots)
+        paged_decode_attention(q, cache, seq_lens, block_table, 0.1, out=out,
+                               num_splits=splits, workspace=workspace, config=config,
+                               new_kv=(k, v, slots) if fused_store else None)
 
-    return graph_time_us(step, LAYERS)
+    return graph_time_us(layer, LAYERS)
 
 
 def main() -> None:

@@ -1,11 +1,11 @@
 """GPU benchmark of the linear layers at decode batch sizes: cuBLAS (F.linear) against ember's
 small-batch Triton kernel (ember.layers.linear), at the projection shapes of the shipped models.
 
-Each timing replays a CUDA graph of 20 back-to-back calls, as a decode step's graph does, so
-launch cost inside a graph is counted and host launch cost is not; per call = replay time / 20.
-Bandwidth = weight bytes / time, also as a fraction of the device-to-device copy bandwidth.
-Weights up to tens of MB stay partly in L2 across the 20 calls, so those times are optimistic
-next to a decode step, where every layer brings new weights: the profiles decide.
+Each timing replays a CUDA graph of back-to-back calls, as a decode step's graph does, so launch
+cost inside a graph is counted and host launch cost is not; per call = replay time / calls. The
+calls cycle over copies of the weight that together exceed L2 (as a step's layers do), so the
+weights come from HBM. Bandwidth = weight bytes / time, also as a fraction of the
+device-to-device copy bandwidth. Configs are (BLOCK_N, BLOCK_K, SPLIT_K).
 The kernel is checked against F.linear first. Sweeps (BLOCK_N, BLOCK_K) and prints, per shape,
 the best config and whether it beats cuBLAS; the model-level effect is what decides the default
 (EMBER_SMALL_BATCH_GEMV): run `ember bench throughput` with and without it.
@@ -34,17 +34,20 @@ SHAPES = {  # name: (out features N, in features K)
     "qwen3 gate_up": (6144, 1024), "qwen3 down": (1024, 3072), "llama8b qkv": (6144, 4096),
     "llama8b o": (4096, 4096), "llama8b gate_up": (28672, 4096), "llama8b down": (4096, 14336),
 }
-CONFIGS = [(16, 128), (16, 256), (32, 128), (32, 256), (64, 128), (16, 512)]
-CALLS = 20
+CONFIGS = [(16, 128, 1), (16, 256, 1), (32, 128, 1), (32, 256, 1), (64, 128, 1), (16, 512, 1),
+           (32, 256, 2), (32, 256, 4), (16, 512, 2), (64, 128, 2), (64, 256, 4)]
+MIN_CALLS, MAX_COPIES = 20, 256
+L2_FLUSH_BYTES = 200 * 2**20  # several times the H200's L2
 
 
-def graph_time_us(fn) -> float:
-    fn()  # compile / warm up outside the capture
+def graph_time_us(fn, calls: int = MIN_CALLS) -> float:
+    """fn(i) makes call i; per call time of ``calls`` calls replayed in one graph."""
+    fn(0)  # compile / warm up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
+        for i in range(calls):
+            fn(i)
     times = []
     for _ in range(10):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -52,8 +55,14 @@ def graph_time_us(fn) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
+        times.append(start.elapsed_time(end) * 1000 / calls)
     return sorted(times)[len(times) // 2]
+
+
+def time_calls(op, x: torch.Tensor, weights: list[torch.Tensor], **kwargs) -> float:
+    """Per-call time of op(x, w, **kwargs), the calls cycling over the weight copies."""
+    calls = max(MIN_CALLS, len(weights))
+    return graph_time_us(lambda i: op(x, weights[i % len(weights)], **kwargs), calls)
 
 
 def main() -> None:
@@ -64,21 +73,24 @@ def main() -> None:
     # The plain copy kernel (as benchmarks/ceilings.py): a memcpy node replayed in a graph
     # read 2.78 TB/s here, against 4.27 for the same copy launched as a kernel.
     copy_bw = copy_bandwidth() * 1e12
+    torch.cuda.empty_cache()
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     results = []
     for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        copies = min(MAX_COPIES, -(-L2_FLUSH_BYTES // (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+              for _ in range(copies)]
         for m in ns.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            want = F.linear(x, w)
-            torch.testing.assert_close(small_batch_linear(x, w).float(), want.float(),
-                                       atol=0.05, rtol=0.02)
+            for cfg in [None, *CONFIGS]:
+                torch.testing.assert_close(small_batch_linear(x, ws[0], config=cfg).float(),
+                                           F.linear(x, ws[0]).float(), atol=0.05, rtol=0.02)
             row = {"shape": name, "n": n, "k": k, "rows": m,
-                   "cublas_us": graph_time_us(lambda x=x, w=w: F.linear(x, w)),
+                   "cublas_us": time_calls(F.linear, x, ws),
                    "default_config": list(small_gemm_config(n, k))}
             for cfg in CONFIGS:
-                row[f"triton_{cfg[0]}x{cfg[1]}_us"] = graph_time_us(
-                    lambda x=x, w=w, cfg=cfg: small_batch_linear(x, w, config=cfg))
+                row["triton_{}x{}x{}_us".format(*cfg)] = time_calls(small_batch_linear, x, ws,
+                                                                     config=cfg)
             best = min((v, key) for key, v in row.items() if key.startswith("triton_"))
             row["best_triton"] = best[1]
             row["best_triton_us"] = best[0]

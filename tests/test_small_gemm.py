@@ -89,6 +89,19 @@ def test_gpu_model_shapes(m, n, k):
     _check(linear.small_batch_linear(x, w), F.linear(x, w))
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 5])
+@pytest.mark.parametrize("m,bias", [(1, False), (6, True)])
+def test_split_k_matches_f_linear_and_is_repeatable(m, bias, split_k):
+    """Splitting K: the partial sums meet in split order (the same bits every launch) and the
+    per-tile counts are left at zero, so the next launch (or graph replay) starts clean. K 300
+    over BLOCK_K 32 gives splits of unequal length (whole BLOCK_K steps each)."""
+    x, w, b = _case(m, 40, 300, torch.float32, bias, seed=4)
+    first = linear.small_batch_linear(x, w, b, config=(16, 32, split_k))
+    _check(first, F.linear(x, w, b))
+    assert torch.equal(linear.small_batch_linear(x, w, b, config=(16, 32, split_k)), first)
+    assert not linear._counters[str(x.device)].any()
+
+
 @pytest.mark.parametrize("n,k", [(40, 4100), (24, 1600), (72, 600)])
 def test_every_default_config_matches_f_linear(n, k):
     """Each branch of small_gemm_config (long K, few outputs over a long K, the rest) computes

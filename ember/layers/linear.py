@@ -32,43 +32,68 @@ SMALL_BATCH_MAX_WEIGHT_ELEMENTS = 32 * 2**20
 tl: Any = None
 
 
-def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, K,
+                       stride_xm, stride_wn, stride_om, k_per_split,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+    # Grid (output tiles, K splits). With SPLIT_K > 1 each program stores its fp32 partial sum;
+    # the last split of a tile to finish (an atomic count per tile, no second kernel) adds them
+    # in split order, so the result does not depend on which finished first, and resets the count.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k in range(k_lo, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
+        k_mask = offs_k < k_hi
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=out_mask)
+        if tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                acc += tl.load(part_ptr + split * M * N + tile, mask=out_mask, other=0.0,
+                               cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counters_ptr + pid_n, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def small_gemm_config(n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) for an [n, k] weight: the best of benchmarks/small_gemm.py's sweep on an
-    H200 at batch 1 for the shipped models' shapes, as a rule. Few output features over a long K
-    (down, o_proj of the small models) want few programs with long tiles; K >= 4096 wants 512-byte
-    rows per tile; the rest 32 x 128 tiles."""
+def small_gemm_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K) for an [n, k] weight: the best of benchmarks/small_gemm.py's
+    sweep on an H200 at batch 1 for the shipped models' shapes, as a rule. Few output features
+    over a long K (down, o_proj of the small models) want few programs with long tiles; K >= 4096
+    wants 512-byte rows per tile; the rest 32 x 128 tiles. Splitting K is swept but not yet
+    measured, so no shape uses it."""
     if k >= 4096:
-        return 32, 256
+        return 32, 256, 1
     if n <= 1024 and k >= 1536:
-        return 16, 512
-    return 32, 128
+        return 16, 512, 1
+    return 32, 128, 1
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: tuple[int, int] | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a 2-D x of at most SMALL_BATCH_MAX_ROWS rows."""
+                       config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a 2-D x of at most SMALL_BATCH_MAX_ROWS rows.
+    ``config`` = (BLOCK_N, BLOCK_K) or (BLOCK_N, BLOCK_K, SPLIT_K) overrides the tuned tiles."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= SMALL_BATCH_MAX_ROWS and weight.shape[1] == k
@@ -79,16 +104,41 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_n, block_k = config or small_gemm_config(n, k)
+    block_n, block_k, split_k = (*(config or small_gemm_config(n, k)), 1)[:3]
+    # Whole BLOCK_K steps per split, and no split left empty.
+    k_per_split = _cdiv(_cdiv(k, split_k), block_k) * block_k
+    split_k = _cdiv(k, k_per_split)
+    n_tiles = _cdiv(n, block_n)
+    if split_k > 1:
+        partials = torch.empty(split_k * m * n, dtype=torch.float32, device=x.device)
+        counters = _split_counters(n_tiles, x.device)
+    else:
+        partials = counters = out  # unused by the kernel
     from ember.attention_backends.triton_ops.common import dot_precision
 
-    fused_ops._jit(_small_gemm_kernel)[(-(-n // block_n),)](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), BLOCK_M=SMALL_BATCH_MAX_ROWS, BLOCK_N=block_n,
-        BLOCK_K=block_k, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype),
-        num_warps=4, num_stages=4,
+    fused_ops._jit(_small_gemm_kernel)[(n_tiles, split_k)](
+        x, weight, bias if bias is not None else weight, out, partials, counters, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), k_per_split,
+        BLOCK_M=SMALL_BATCH_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype), num_warps=4, num_stages=4,
     )
     return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# Per device: one int32 count per output tile, zero between launches (the kernel resets it).
+_counters: dict[str, torch.Tensor] = {}
+
+
+def _split_counters(n_tiles: int, device: torch.device) -> torch.Tensor:
+    counters = _counters.get(str(device))
+    if counters is None or counters.numel() < n_tiles:
+        counters = torch.zeros(max(n_tiles, 1024), dtype=torch.int32, device=device)
+        _counters[str(device)] = counters
+    return counters
 
 
 def small_batch_gemv_enabled(x: torch.Tensor) -> bool:
