@@ -14,6 +14,7 @@ on CUDA in fp16/bf16 outside torch.compile; EMBER_SMALL_BATCH_GEMV=0 turns it of
 TRITON_INTERPRET=1 on the CPU (tests/test_small_gemm.py). Subclassing nn.Linear keeps parameter
 names, weight loading and quantization (which replaces nn.Linear modules) unchanged.
 """
+
 from __future__ import annotations
 
 from typing import Any
