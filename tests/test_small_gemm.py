@@ -102,6 +102,17 @@ def test_split_k_matches_f_linear_and_is_repeatable(m, bias, split_k):
     assert not linear._counters[str(x.device)].any()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (1024, 2048)])
+def test_gpu_split_k_model_shapes(n, k, split_k):
+    for m in (1, 8):
+        x, w, _ = _case(m, n, k, torch.bfloat16, False)
+        first = linear.small_batch_linear(x, w, config=(32, 256, split_k))
+        _check(first, F.linear(x, w))
+        assert torch.equal(linear.small_batch_linear(x, w, config=(32, 256, split_k)), first)
+
+
 @pytest.mark.parametrize("n,k", [(40, 4100), (24, 1600), (72, 600)])
 def test_every_default_config_matches_f_linear(n, k):
     """Each branch of small_gemm_config (long K, few outputs over a long K, the rest) computes
