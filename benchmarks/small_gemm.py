@@ -5,7 +5,7 @@ Each timing replays a CUDA graph of back-to-back calls, as a decode step's graph
 cost inside a graph is counted and host launch cost is not; per call = replay time / calls. The
 calls cycle over copies of the weight that together exceed L2 (as a step's layers do), so the
 weights come from HBM. Bandwidth = weight bytes / time, also as a fraction of the
-device-to-device copy bandwidth. Configs are (BLOCK_N, BLOCK_K, SPLIT_K).
+device-to-device copy bandwidth. Configs are named BLOCK_N x BLOCK_K x SPLIT_K, p = prefetch.
 The kernel is checked against F.linear first. Sweeps (BLOCK_N, BLOCK_K) and prints, per shape,
 the best config and whether it beats cuBLAS; the model-level effect is what decides the default
 (EMBER_SMALL_BATCH_GEMV): run `ember bench throughput` with and without it.
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
 from benchmarks.attention_kernels import copy_bandwidth  # noqa: E402
-from ember.layers.linear import small_batch_linear, small_gemm_config  # noqa: E402
+from ember.layers.linear import GemmConfig, small_batch_linear, small_gemm_config  # noqa: E402
 
 SHAPES = {  # name: (out features N, in features K)
     "smollm2 qkv": (960, 576), "smollm2 o": (576, 576), "smollm2 gate_up": (3072, 576),
@@ -34,8 +34,11 @@ SHAPES = {  # name: (out features N, in features K)
     "qwen3 gate_up": (6144, 1024), "qwen3 down": (1024, 3072), "llama8b qkv": (6144, 4096),
     "llama8b o": (4096, 4096), "llama8b gate_up": (28672, 4096), "llama8b down": (4096, 14336),
 }
-CONFIGS = [(16, 128, 1), (16, 256, 1), (32, 128, 1), (32, 256, 1), (64, 128, 1), (16, 512, 1),
-           (32, 256, 2), (32, 256, 4), (16, 512, 2), (64, 128, 2), (64, 256, 4)]
+CONFIGS = [GemmConfig(*c) for c in [
+    (16, 128), (16, 256), (32, 128), (32, 256), (64, 128), (16, 512),
+    (32, 256, 2), (32, 256, 4), (16, 512, 2), (64, 128, 2), (64, 256, 4),
+    (32, 128, 1, True), (32, 256, 1, True), (16, 512, 1, True), (32, 256, 2, True),
+]]
 MIN_CALLS, MAX_COPIES = 20, 256
 L2_FLUSH_BYTES = 200 * 2**20  # several times the H200's L2
 
@@ -89,8 +92,8 @@ def main() -> None:
                    "cublas_us": time_calls(F.linear, x, ws),
                    "default_config": list(small_gemm_config(n, k))}
             for cfg in CONFIGS:
-                row["triton_{}x{}x{}_us".format(*cfg)] = time_calls(small_batch_linear, x, ws,
-                                                                     config=cfg)
+                key = "triton_{}x{}x{}{}_us".format(*cfg[:3], "p" if cfg.prefetch else "")
+                row[key] = time_calls(small_batch_linear, x, ws, config=cfg)
             best = min((v, key) for key, v in row.items() if key.startswith("triton_"))
             row["best_triton"] = best[1]
             row["best_triton_us"] = best[0]

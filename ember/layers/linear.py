@@ -17,7 +17,7 @@ names, weight loading and quantization (which replaces nn.Linear modules) unchan
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +36,13 @@ tl: Any = None
 def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, K,
                        stride_xm, stride_wn, stride_om, k_per_split,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+                       SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       DOT_PREC: tl.constexpr):
     # Grid (output tiles, K splits). With SPLIT_K > 1 each program stores its fp32 partial sum;
     # the last split of a tile to finish (an atomic count per tile, no second kernel) adds them
     # in split order, so the result does not depend on which finished first, and resets the count.
+    # PREFETCH loads the next W tile before the current one's dot: Triton does not multi-buffer
+    # these loads at M = 16 (mma v2), so this doubles the bytes a program keeps in flight.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -50,13 +53,25 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PREFETCH:
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < k_hi)[None, :],
+                    other=0.0)
     for k in range(k_lo, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if PREFETCH:
+            offs_next = offs_k + BLOCK_K
+            w_next = tl.load(w_rows + offs_next[None, :],
+                             mask=n_mask[:, None] & (offs_next < k_hi)[None, :], other=0.0)
+        else:
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+        if PREFETCH:
+            w = w_next
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -78,23 +93,32 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def small_gemm_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K) for an [n, k] weight: the best of benchmarks/small_gemm.py's
-    sweep on an H200 at batch 1 for the shipped models' shapes, as a rule. Few output features
-    over a long K (down, o_proj of the small models) want few programs with long tiles; K >= 4096
-    wants 512-byte rows per tile; the rest 32 x 128 tiles. Splitting K is swept but not yet
-    measured, so no shape uses it."""
+class GemmConfig(NamedTuple):
+    """Tiles of ``small_batch_linear``: output features and K per step, K splits, prefetch."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    prefetch: bool = False
+
+
+def small_gemm_config(n: int, k: int) -> GemmConfig:
+    """Tiles for an [n, k] weight: the best of benchmarks/small_gemm.py's sweep on an H200 at
+    batch 1 for the shipped models' shapes, as a rule. Few output features over a long K (down,
+    o_proj of the small models) want few programs with long tiles; K >= 4096 wants 512-byte rows
+    per tile; the rest 32 x 128 tiles. Splitting K and prefetching are swept but not yet
+    measured, so no shape uses them."""
     if k >= 4096:
-        return 32, 256, 1
+        return GemmConfig(32, 256)
     if n <= 1024 and k >= 1536:
-        return 16, 512, 1
-    return 32, 128, 1
+        return GemmConfig(16, 512)
+    return GemmConfig(32, 128)
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: tuple[int, ...] | None = None) -> torch.Tensor:
+                       config: tuple | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2-D x of at most SMALL_BATCH_MAX_ROWS rows.
-    ``config`` = (BLOCK_N, BLOCK_K) or (BLOCK_N, BLOCK_K, SPLIT_K) overrides the tuned tiles."""
+    ``config`` (a GemmConfig, or its fields as a tuple) overrides the tuned tiles."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= SMALL_BATCH_MAX_ROWS and weight.shape[1] == k
@@ -105,7 +129,7 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_n, block_k, split_k = (*(config or small_gemm_config(n, k)), 1)[:3]
+    block_n, block_k, split_k, prefetch = GemmConfig(*(config or small_gemm_config(n, k)))
     # Whole BLOCK_K steps per split, and no split left empty.
     k_per_split = _cdiv(_cdiv(k, split_k), block_k) * block_k
     split_k = _cdiv(k, k_per_split)
@@ -121,7 +145,8 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         x, weight, bias if bias is not None else weight, out, partials, counters, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=SMALL_BATCH_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype), num_warps=4, num_stages=4,
+        PREFETCH=prefetch, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype),
+        num_warps=4, num_stages=4,
     )
     return out
 
