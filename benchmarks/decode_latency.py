@@ -26,6 +26,7 @@ from ember.attention_backends.triton_ops import store_kv  # noqa: E402
 from ember.attention_backends.triton_ops.decode import (  # noqa: E402
     DecodeConfig,
     choose_num_splits,
+    decode_workspace_numel,
     default_config,
     paged_decode_attention,
 )
@@ -50,7 +51,8 @@ def run_case(shape: tuple[int, int, int], batch: int, context: int, splits: int,
     k = torch.randn(batch, num_kv_heads, head_size, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     out = torch.empty_like(q)
-    workspace = torch.empty(batch * num_heads * max(splits, 1) * (head_size + 1), device="cuda")
+    workspace = torch.empty(decode_workspace_numel(batch, num_heads, head_size, splits),
+                            device="cuda")
 
     def layer(i: int) -> None:
         cache = caches[i]

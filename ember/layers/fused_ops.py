@@ -73,6 +73,28 @@ def _jit(fn: Callable[..., None]) -> Any:
     return triton.jit(fn)
 
 
+# Per device, int32 counts that are zero between launches. A kernel whose last program to finish
+# merges the others' partial results (argmax over chunks, split-K linear) counts in it and
+# resets what it used; launches on one stream run in turn, so they can share it. Fixed size:
+# CUDA graphs keep its address, so it is never reallocated.
+MERGE_COUNTERS = 1 << 16
+_merge_counters: dict[str, torch.Tensor] = {}
+
+
+def merge_counters(n: int, device: torch.device) -> torch.Tensor:
+    """The device's zeroed merge counters (at least ``n`` of them)."""
+    assert n <= MERGE_COUNTERS, f"{n} merge counters asked, {MERGE_COUNTERS} exist"
+    counters = _merge_counters.get(str(device))
+    if counters is None:
+        counters = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+        _merge_counters[str(device)] = counters
+    return counters
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -309,7 +331,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     rows = x2.shape[0]
     block = min(_next_power_of_2(d), 1024)
-    _jit(_silu_and_mul_kernel)[(rows, -(-d // block))](
+    _jit(_silu_and_mul_kernel)[(rows, _cdiv(d, block))](
         x2, out, x2.stride(0), d, d, BLOCK=block, num_warps=_num_warps(block)
     )
     return out
@@ -319,7 +341,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 _ARGMAX_CHUNK = 4096
 ARGMAX_MAX_ROWS = 16  # above this torch's one-block-per-row reduction has rows enough to fill SMs
-_argmax_counters: dict[str, torch.Tensor] = {}
 
 
 def _argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, counters_ptr, out_ptr, n_cols, stride_x,
@@ -357,15 +378,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out
-    num_chunks = -(-n_cols // _ARGMAX_CHUNK)
+    num_chunks = _cdiv(n_cols, _ARGMAX_CHUNK)
     part_val = torch.empty(rows * num_chunks, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(rows * num_chunks, dtype=torch.int32, device=x.device)
-    counters = _argmax_counters.get(str(x.device))
-    if counters is None:  # zero, and the kernel leaves it zero
-        counters = torch.zeros(ARGMAX_MAX_ROWS, dtype=torch.int32, device=x.device)
-        _argmax_counters[str(x.device)] = counters
     _jit(_argmax_kernel)[(rows, num_chunks)](
-        x, part_val, part_idx, counters, out, n_cols, x.stride(0), num_chunks,
+        x, part_val, part_idx, merge_counters(rows, x.device), out, n_cols, x.stride(0), num_chunks,
         CHUNK=_ARGMAX_CHUNK, CHUNKS_PAD=_next_power_of_2(num_chunks), num_warps=8,
     )
     return out

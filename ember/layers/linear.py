@@ -131,12 +131,12 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return out
     block_n, block_k, split_k, prefetch = GemmConfig(*(config or small_gemm_config(n, k)))
     # Whole BLOCK_K steps per split, and no split left empty.
-    k_per_split = _cdiv(_cdiv(k, split_k), block_k) * block_k
-    split_k = _cdiv(k, k_per_split)
-    n_tiles = _cdiv(n, block_n)
+    k_per_split = fused_ops._cdiv(fused_ops._cdiv(k, split_k), block_k) * block_k
+    split_k = fused_ops._cdiv(k, k_per_split)
+    n_tiles = fused_ops._cdiv(n, block_n)
     if split_k > 1:
         partials = torch.empty(split_k * m * n, dtype=torch.float32, device=x.device)
-        counters = _split_counters(n_tiles, x.device)
+        counters = fused_ops.merge_counters(n_tiles, x.device)
     else:
         partials = counters = out  # unused by the kernel
     from ember.attention_backends.triton_ops.common import dot_precision
@@ -149,22 +149,6 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         num_warps=4, num_stages=4,
     )
     return out
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-# Per device: one int32 count per output tile, zero between launches (the kernel resets it).
-_counters: dict[str, torch.Tensor] = {}
-
-
-def _split_counters(n_tiles: int, device: torch.device) -> torch.Tensor:
-    counters = _counters.get(str(device))
-    if counters is None or counters.numel() < n_tiles:
-        counters = torch.zeros(max(n_tiles, 1024), dtype=torch.int32, device=device)
-        _counters[str(device)] = counters
-    return counters
 
 
 def small_batch_gemv_enabled(x: torch.Tensor) -> bool:
