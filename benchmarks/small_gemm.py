@@ -5,18 +5,22 @@ Each timing replays a CUDA graph of back-to-back calls, as a decode step's graph
 cost inside a graph is counted and host launch cost is not; per call = replay time / calls. The
 calls cycle over copies of the weight that together exceed L2 (as a step's layers do), so the
 weights come from HBM. Bandwidth = weight bytes / time, also as a fraction of the
-device-to-device copy bandwidth. Configs are named BLOCK_N x BLOCK_K x SPLIT_K, p = prefetch.
+device-to-device copy bandwidth. Configs are named BLOCK_N x BLOCK_K x SPLIT_K, p = prefetch,
+lN = N elements of each W row prefetched into L2; with --pdl 0 1 each is timed with
+programmatic dependent launch off and on (key suffix _pdl0 / _pdl1), and --norm puts a fused
+RMSNorm before every call, as in a decoder layer (the norm is then in every time, cuBLAS's too).
 The kernel is checked against F.linear first. Sweeps (BLOCK_N, BLOCK_K) and prints, per shape,
 the best config and whether it beats cuBLAS; the model-level effect is what decides the default
 (EMBER_SMALL_BATCH_GEMV): run `ember bench throughput` with and without it.
 
-    python benchmarks/small_gemm.py --out small_gemm.json
+    python benchmarks/small_gemm.py --out small_gemm.json [--shapes llama8b] [--pdl 0 1] [--norm]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
 from benchmarks.attention_kernels import copy_bandwidth  # noqa: E402
+from ember.layers.fused_ops import rms_norm  # noqa: E402
 from ember.layers.linear import GemmConfig, small_batch_linear, small_gemm_config  # noqa: E402
 
 SHAPES = {  # name: (out features N, in features K)
@@ -36,8 +41,9 @@ SHAPES = {  # name: (out features N, in features K)
 }
 CONFIGS = [GemmConfig(*c) for c in [
     (16, 128), (16, 256), (32, 128), (32, 256), (64, 128), (16, 512),
-    (32, 256, 2), (32, 256, 4), (16, 512, 2), (64, 128, 2), (64, 256, 4),
-    (32, 128, 1, True), (32, 256, 1, True), (16, 512, 1, True), (32, 256, 2, True),
+    (32, 256, 2), (32, 256, 4), (64, 128, 2), (64, 256, 4),
+    (32, 128, 1, False, 1024), (32, 256, 1, False, 1024), (32, 256, 1, False, 4096),
+    (32, 256, 4, False, 1024),
 ]]
 MIN_CALLS, MAX_COPIES = 20, 256
 L2_FLUSH_BYTES = 200 * 2**20  # several times the H200's L2
@@ -62,17 +68,33 @@ def graph_time_us(fn, calls: int = MIN_CALLS) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def time_calls(op, x: torch.Tensor, weights: list[torch.Tensor], **kwargs) -> float:
-    """Per-call time of op(x, w, **kwargs), the calls cycling over the weight copies."""
+def time_calls(op, x: torch.Tensor, weights: list[torch.Tensor], norm: torch.Tensor | None,
+               **kwargs) -> float:
+    """Per-call time of op(x, w, **kwargs), the calls cycling over the weight copies; with a
+    norm weight, op(rms_norm(x), w)."""
     calls = max(MIN_CALLS, len(weights))
-    return graph_time_us(lambda i: op(x, weights[i % len(weights)], **kwargs), calls)
+    if norm is None:
+        return graph_time_us(lambda i: op(x, weights[i % len(weights)], **kwargs), calls)
+    return graph_time_us(
+        lambda i: op(rms_norm(x, norm, 1e-6), weights[i % len(weights)], **kwargs), calls)
+
+
+def config_name(cfg: GemmConfig) -> str:
+    return "{}x{}x{}{}{}".format(*cfg[:3], "p" if cfg.prefetch else "",
+                                 f"l{cfg.l2_prefetch}" if cfg.l2_prefetch else "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--shapes", nargs="+", default=None,
+                        help="only shapes whose name contains one of these (e.g. llama8b)")
+    parser.add_argument("--pdl", nargs="+", default=None, choices=["0", "1"],
+                        help="time each config with EMBER_PDL set to each value")
+    parser.add_argument("--norm", action="store_true", help="a fused RMSNorm before each call")
     ns = parser.parse_args()
+    pdl_values = ns.pdl or [None]
     # The plain copy kernel (as benchmarks/ceilings.py): a memcpy node replayed in a graph
     # read 2.78 TB/s here, against 4.27 for the same copy launched as a kernel.
     copy_bw = copy_bandwidth() * 1e12
@@ -80,6 +102,9 @@ def main() -> None:
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     results = []
     for name, (n, k) in SHAPES.items():
+        if ns.shapes and not any(part in name for part in ns.shapes):
+            continue
+        norm = torch.ones(k, device="cuda", dtype=torch.bfloat16) if ns.norm else None
         copies = min(MAX_COPIES, -(-L2_FLUSH_BYTES // (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
               for _ in range(copies)]
@@ -88,12 +113,17 @@ def main() -> None:
             for cfg in [None, *CONFIGS]:
                 torch.testing.assert_close(small_batch_linear(x, ws[0], config=cfg).float(),
                                            F.linear(x, ws[0]).float(), atol=0.05, rtol=0.02)
-            row = {"shape": name, "n": n, "k": k, "rows": m,
-                   "cublas_us": time_calls(F.linear, x, ws),
+            row = {"shape": name, "n": n, "k": k, "rows": m, "norm": ns.norm,
                    "default_config": list(small_gemm_config(n, k))}
-            for cfg in CONFIGS:
-                key = "triton_{}x{}x{}{}_us".format(*cfg[:3], "p" if cfg.prefetch else "")
-                row[key] = time_calls(small_batch_linear, x, ws, config=cfg)
+            for pdl in pdl_values:
+                suffix = "" if pdl is None else f"_pdl{pdl}"
+                if pdl is not None:
+                    os.environ["EMBER_PDL"] = pdl  # read at each launch, so at capture
+                row[f"cublas{suffix}_us"] = time_calls(F.linear, x, ws, norm)
+                for cfg in [None, *CONFIGS]:
+                    key = f"triton_{'default' if cfg is None else config_name(cfg)}{suffix}_us"
+                    row[key] = time_calls(small_batch_linear, x, ws, norm, config=cfg)
+            row["cublas_us"] = min(v for key, v in row.items() if key.startswith("cublas"))
             best = min((v, key) for key, v in row.items() if key.startswith("triton_"))
             row["best_triton"] = best[1]
             row["best_triton_us"] = best[0]

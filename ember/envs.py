@@ -81,3 +81,16 @@ def decode_stores_kv() -> bool:
     """EMBER_DECODE_STORES_KV (default on; 0 = off): the triton backend's decode kernel writes
     the decode tokens' K/V itself instead of a separate store kernel."""
     return _flag_default_on("EMBER_DECODE_STORES_KV")
+
+
+def pdl() -> bool:
+    """EMBER_PDL (default on; 0 = off): ember's Triton kernels launch with programmatic dependent
+    launch on sm90+ GPUs, so each starts while the kernel before it finishes (see fused_ops.pdl)."""
+    return _flag_default_on("EMBER_PDL")
+
+
+def gemv_l2_prefetch() -> int | None:
+    """EMBER_GEMV_L2_PREFETCH (tuning; default: the per-shape rule): how many K elements of each
+    weight row the small-batch linear kernel prefetches into L2 before its main loop."""
+    value = _str("EMBER_GEMV_L2_PREFETCH")
+    return None if value is None else int(value)

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The device run (the lent H200): GPU tests, attention-kernel and engine benchmarks.
 # Usage there: scripts/gpu_suite.sh [PART...]   (with .whl carried; results under $OUT)
-# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 gemm optin storesab latency
+# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 gemm gemmpdl optin pdlab
+# storesab latency
 # (default: the first six; profile1 profiles batch-1 decode of SmolLM2 and Llama-8B; gemm times
 # the small-batch linear kernel against cuBLAS; optin measures batch 1 with the decode-step
 # kernels EMBER_SMALL_BATCH_GEMV / EMBER_DECODE_STORES_KV off and on (OPTIN_VARIANTS="none
-# gemv stores both"); storesab: Qwen3 throughput with EMBER_DECODE_STORES_KV=0 and 1; latency
+# gemv stores both"); gemmpdl: the linear kernel's configs with PDL off and on, alone and after
+# a norm; pdlab: batch 1 with PDL / L2-prefetch variants (PDL_VARIANTS="0:- 1:- 1:1024");
+# storesab: Qwen3 throughput with EMBER_DECODE_STORES_KV=0 and 1; latency
 # times decode attention per layer at batch 1 and 4). One
 # device call holds at most 10 minutes, so a full suite is split over two calls, e.g.
 #   scripts/gpu_suite.sh ceilings smollm qwen3 llama8b   then   scripts/gpu_suite.sh tests kernels
@@ -65,6 +68,21 @@ for part in $PARTS; do
                   --model ember/configs/qwen3-0.6b $NANO --no-baseline --single-output-len 64 \
                   --out "$OUT/storesab_${stores}_qwen3.json"
               done ;;
+    # Programmatic dependent launch and the linear kernel's L2 prefetch at batch 1: variants
+    # PDL:L2 (EMBER_PDL, EMBER_GEMV_L2_PREFETCH; "-" = the default), same call.
+    pdlab) for variant in ${PDL_VARIANTS:-0:- 1:-}; do
+             pdl=${variant%%:*}; l2=${variant##*:}; tag="pdl${pdl}_l2${l2/-/default}"
+             for model in ${PDL_MODELS:-smollm2-135m llama-3.1-8b}; do
+               ( [ "$l2" != - ] && export EMBER_GEMV_L2_PREFETCH=$l2; EMBER_PDL=$pdl \
+                 stage "pdlab_${tag}_$model" 100 $BENCH --model "ember/configs/$model" \
+                 --num-prompts 16 --input-len 128 --output-len 128 --max-model-len 4096 \
+                 --no-baseline --single-output-len 512 --out "$OUT/pdlab_${tag}_$model.json" )
+             done
+           done ;;
+    gemmpdl) stage small_gemm_pdl 150 python3 benchmarks/small_gemm.py --shapes llama8b qwen3 \
+               --rows 1 --pdl 0 1 --out "$OUT/small_gemm_pdl.json"
+             stage small_gemm_norm 150 python3 benchmarks/small_gemm.py --shapes llama8b \
+               --rows 1 --pdl 0 1 --norm --out "$OUT/small_gemm_norm.json" ;;
     latency) stage decode_latency 150 python3 benchmarks/decode_latency.py --out "$OUT/decode_latency.json" ;;
     kernels) stage kernels 60 python3 benchmarks/attention_kernels.py --quick --block-sizes 16 \
                --out "$OUT/kernels.json" ;;

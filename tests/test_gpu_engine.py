@@ -132,6 +132,24 @@ def test_decode_step_kernels_keep_greedy_tokens(tiny, flag, monkeypatch):
     assert [r[:1] for r in results[0]] == [r[:1] for r in results[1]]
 
 
+def test_pdl_keeps_every_token(tiny, monkeypatch):
+    """Programmatic dependent launch changes when kernels start, not what they compute: greedy
+    tokens under graphs and async scheduling are the same with it off and on."""
+    arch, path = tiny
+    prompts = [{"prompt_token_ids": p} for p in _prompts(320)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    results = []
+    for value in ("0", "1"):
+        monkeypatch.setenv("EMBER_PDL", value)
+        llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", attention_backend="triton",
+                  max_model_len=512, kv_cache_memory_bytes=1 << 30, max_num_seqs=16)
+        outs = llm.generate(prompts, params)
+        results.append([o.outputs[0].token_ids for o in outs])
+        assert_all_blocks_free(llm)
+        del llm
+    assert results[0] == results[1]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="flashinfer missing")
 def test_flashinfer_matches_sdpa():
     from ember.attention_backends.flashinfer_backend import FlashInferBackend

@@ -124,6 +124,20 @@ def test_gpu_split_k_and_prefetch_model_shapes(n, k, split_k, prefetch):
         assert torch.equal(linear.small_batch_linear(x, w, config=config), first)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("l2_prefetch", [64, 1000, 4096])
+@pytest.mark.parametrize("n,k,split_k", [(6144, 4096, 1), (4096, 4096, 2), (576, 1536, 1)])
+def test_gpu_l2_prefetch_changes_no_bits(n, k, split_k, l2_prefetch):
+    """Prefetching W rows into L2 (rounded to whole powers of two of lines, within each split)
+    is only a hint: the result has the same bits as without it."""
+    for m in (1, 8):
+        x, w, _ = _case(m, n, k, torch.bfloat16, False)
+        plain = linear.small_batch_linear(x, w, config=linear.GemmConfig(32, 256, split_k))
+        got = linear.small_batch_linear(
+            x, w, config=linear.GemmConfig(32, 256, split_k, False, l2_prefetch))
+        assert torch.equal(got, plain)
+
+
 @pytest.mark.parametrize("n,k", [(40, 4100), (24, 1600), (72, 600)])
 def test_every_default_config_matches_f_linear(n, k):
     """Each branch of small_gemm_config (long K, few outputs over a long K, the rest) computes

@@ -22,13 +22,15 @@ CPU and in float32 the torch paths (bit-identical to HF transformers) are used. 
 themselves do not check it, so tests can run them on the CPU under TRITON_INTERPRET=1.
 
 None of the wrappers synchronises or reads device values (CUDA-graph capture safe); outputs are
-plain ``torch.empty`` allocations.
+plain ``torch.empty`` allocations. On sm90+ GPUs the kernels launch with programmatic dependent
+launch (``pdl_options``).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +83,37 @@ MERGE_COUNTERS = 1 << 16
 _merge_counters: dict[str, torch.Tensor] = {}
 
 
+@functools.cache
+def _sm90_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def compiled_for_gpu(x: torch.Tensor) -> bool:
+    """Whether kernels launched on x's device are compiled for it (not TRITON_INTERPRET=1)."""
+    return x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def pdl_options(x: torch.Tensor) -> dict[str, bool]:
+    """Launch options for a kernel with a ``PDL`` constexpr, given a tensor on its device.
+
+    With programmatic dependent launch (sm90+, EMBER_PDL not 0) a kernel may start while the
+    kernel before it in the stream is still running, once that one's programs have all called
+    ``gdc_launch_dependents``: its launch latency and ramp then overlap the previous kernel's
+    tail, which at batch 1 is a visible share of every one of a decode step's ~400 kernels. The
+    contract every PDL kernel keeps (CUDA graphs capture it as is):
+    - it calls ``gdc_wait()`` (which returns once the previous kernel has finished and its
+      writes are visible) before touching any memory an earlier kernel may write or read, and
+      always calls it, so that waiting is transitive down the stream;
+    - it calls ``gdc_launch_dependents()`` only after that wait, so at most one kernel waits
+      ahead.
+    Only immutable inputs (weights) may be read before the wait.
+    """
+    on = (compiled_for_gpu(x) and envs.pdl()
+          and _sm90_or_newer(x.device.index if x.device.index is not None
+                             else torch.cuda.current_device()))
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
 def merge_counters(n: int, device: torch.device) -> torch.Tensor:
     """The device's zeroed merge counters (at least ``n`` of them)."""
     assert n <= MERGE_COUNTERS, f"{n} merge counters asked, {MERGE_COUNTERS} exist"
@@ -123,10 +156,14 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per row; rows are indexed by (a, b) so that [T, heads, head_size] views of
     # the qkv output (Qwen3's per-head norm) need no copy. The residual output is contiguous
     # with the same row layout as ``out``.
+    if PDL:  # see pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -190,6 +227,7 @@ def _launch_rms_norm(
             xr, rr, weight, out, out if res_out is None else res_out,
             sxa, sxb, sra, srb, soa, sob, n, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+            **pdl_options(x),
         )  # fmt: skip
     out = out.view(shape)
     return out, None if res_out is None else res_out.view(shape)
@@ -235,6 +273,7 @@ def _rotary_kernel(
     Q_HEADS_PAD: tl.constexpr,
     K_HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per token rotates all of its q and k heads: [heads, rotary_dim / 2] tiles of
     # x1 = x[..., :half] and x2 = x[..., half:rotary_dim]; dims past rotary_dim are untouched.
@@ -242,6 +281,9 @@ def _rotary_kernel(
     # of two half values is exact in float32, so rounding after each op as torch does gives its
     # results bit for bit. (The q and k halves are written out twice: a helper @triton.jit
     # function would not survive the lazy jitting in _jit.)
+    if PDL:  # see pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
     d_mask = offs_d < HALF
@@ -300,16 +342,20 @@ def rotary_inplace(
         cos.stride(0), sin.stride(0),
         NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HALF=half, Q_HEADS_PAD=_next_power_of_2(hq),
         K_HEADS_PAD=_next_power_of_2(hk), HALF_PAD=half_pad,
-        num_warps=_num_warps(heads_pad * half_pad),
+        num_warps=_num_warps(heads_pad * half_pad), **pdl_options(q),
     )  # fmt: skip
 
 
 # ---- SiLU and mul --------------------------------------------------------------------------------
 
 
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
     # Grid (tokens, column blocks). Torch rounds silu(gate) to the half dtype before the
     # multiply; so does this, and the product is then exact in float32 before its one rounding.
+    if PDL:  # see pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -332,7 +378,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x2.shape[0]
     block = min(_next_power_of_2(d), 1024)
     _jit(_silu_and_mul_kernel)[(rows, _cdiv(d, block))](
-        x2, out, x2.stride(0), d, d, BLOCK=block, num_warps=_num_warps(block)
+        x2, out, x2.stride(0), d, d, BLOCK=block, num_warps=_num_warps(block), **pdl_options(x2)
     )
     return out
 

@@ -36,13 +36,17 @@ tl: Any = None
 def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, K,
                        stride_xm, stride_wn, stride_om, k_per_split,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
+                       SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, L2_PREFETCH: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # Grid (output tiles, K splits). With SPLIT_K > 1 each program stores its fp32 partial sum;
     # the last split of a tile to finish (an atomic count per tile, no second kernel) adds them
     # in split order, so the result does not depend on which finished first, and resets the count.
     # PREFETCH loads the next W tile before the current one's dot: Triton does not multi-buffer
     # these loads at M = 16 (mma v2), so this doubles the bytes a program keeps in flight.
+    # L2_PREFETCH: the first L2_PREFETCH K elements of the program's W rows are requested into
+    # L2 first, one prefetch per 128-byte line. W depends on no earlier kernel, so with PDL this
+    # happens while the kernel before (RMSNorm, attention) still runs: the weight stream starts
+    # before x exists. Everything else waits for it (fused_ops.pdl_options).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -53,6 +57,15 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if L2_PREFETCH > 0:
+        offs_line = k_lo + tl.arange(0, L2_PREFETCH // 64) * 64  # 64 half elements: a line
+        line_mask = n_mask[:, None] & (offs_line < k_hi)[None, :]
+        lines = tl.where(line_mask, w_rows + offs_line[None, :], w_ptr)
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
+                                  [lines], dtype=tl.int32, is_pure=False, pack=1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if PREFETCH:
         offs_k = k_lo + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < k_hi)[None, :],
@@ -94,24 +107,25 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
 
 
 class GemmConfig(NamedTuple):
-    """Tiles of ``small_batch_linear``: output features and K per step, K splits, prefetch."""
+    """Tiles of ``small_batch_linear``: output features and K per step, K splits, prefetch of
+    the next tile into registers, K elements per W row prefetched into L2 up front (CUDA only)."""
 
     block_n: int
     block_k: int
     split_k: int = 1
     prefetch: bool = False
+    l2_prefetch: int = 0
 
 
 def small_gemm_config(n: int, k: int) -> GemmConfig:
     """Tiles for an [n, k] weight: the best of benchmarks/small_gemm.py's sweep on an H200 at
     batch 1 for the shipped models' shapes, as a rule. Few output features over a long K (down,
-    o_proj of the small models) want few programs with long tiles; K >= 4096 wants 512-byte rows
-    per tile; the rest 32 x 128 tiles. Splitting K and prefetching are swept but not yet
-    measured, so no shape uses them."""
+    o_proj of the small models) want K split in four (32 x 256 tiles: 6.3 us against 7.7 unsplit
+    for Qwen3's down); K >= 4096 wants 512-byte rows per tile; the rest 32 x 128 tiles."""
     if k >= 4096:
         return GemmConfig(32, 256)
     if n <= 1024 and k >= 1536:
-        return GemmConfig(16, 512)
+        return GemmConfig(32, 256, 4)
     return GemmConfig(32, 128)
 
 
@@ -129,7 +143,14 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_n, block_k, split_k, prefetch = GemmConfig(*(config or small_gemm_config(n, k)))
+    block_n, block_k, split_k, prefetch, l2_prefetch = GemmConfig(
+        *(config or small_gemm_config(n, k)))
+    if config is None and envs.gemv_l2_prefetch() is not None:
+        l2_prefetch = envs.gemv_l2_prefetch()
+    if not fused_ops.compiled_for_gpu(x):
+        l2_prefetch = 0  # an inline PTX instruction: not in the interpreter
+    # At least one line, at most the split's K, in whole powers of two of lines.
+    l2_prefetch = fused_ops._next_power_of_2(max(min(l2_prefetch, k), 64)) if l2_prefetch else 0
     # Whole BLOCK_K steps per split, and no split left empty.
     k_per_split = fused_ops._cdiv(fused_ops._cdiv(k, split_k), block_k) * block_k
     split_k = fused_ops._cdiv(k, k_per_split)
@@ -145,8 +166,8 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         x, weight, bias if bias is not None else weight, out, partials, counters, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=SMALL_BATCH_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        PREFETCH=prefetch, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype),
-        num_warps=4, num_stages=4,
+        PREFETCH=prefetch, L2_PREFETCH=l2_prefetch, HAS_BIAS=bias is not None,
+        DOT_PREC=dot_precision(x.dtype), num_warps=4, num_stages=4, **fused_ops.pdl_options(x),
     )
     return out
 

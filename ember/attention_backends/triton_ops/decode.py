@@ -28,6 +28,7 @@ from ember.attention_backends.triton_ops.common import (
     num_sms,
     scaled_scores,
 )
+from ember.layers.fused_ops import pdl_options
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,11 @@ def _decode_kernel(
     DIRECT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     STORE_NEW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # see ember.layers.fused_ops.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -292,7 +297,11 @@ def _reduce_kernel(
     SPLITS_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # see ember.layers.fused_ops.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -385,6 +394,7 @@ def paged_decode_attention(
         HEAD_PAD=hpad,
         BLOCK_N=cfg.block_n,
         SLIDING=sliding,
+        **pdl_options(q),
     )
     if new_kv is not None:
         k_new, v_new, slots = new_kv
