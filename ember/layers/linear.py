@@ -108,13 +108,16 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
 
 class GemmConfig(NamedTuple):
     """Tiles of ``small_batch_linear``: output features and K per step, K splits, prefetch of
-    the next tile into registers, K elements per W row prefetched into L2 up front (CUDA only)."""
+    the next tile into registers, K elements per W row prefetched into L2 up front (CUDA only),
+    warps, and pipeline stages (Triton keeps num_stages - 1 tiles of W in flight)."""
 
     block_n: int
     block_k: int
     split_k: int = 1
     prefetch: bool = False
     l2_prefetch: int = 0
+    num_warps: int = 4
+    num_stages: int = 4
 
 
 def small_gemm_config(n: int, k: int) -> GemmConfig:
@@ -143,7 +146,7 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_n, block_k, split_k, prefetch, l2_prefetch = GemmConfig(
+    block_n, block_k, split_k, prefetch, l2_prefetch, num_warps, num_stages = GemmConfig(
         *(config or small_gemm_config(n, k)))
     if config is None and envs.gemv_l2_prefetch() is not None:
         l2_prefetch = envs.gemv_l2_prefetch()
@@ -167,7 +170,8 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=SMALL_BATCH_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         PREFETCH=prefetch, L2_PREFETCH=l2_prefetch, HAS_BIAS=bias is not None,
-        DOT_PREC=dot_precision(x.dtype), num_warps=4, num_stages=4, **fused_ops.pdl_options(x),
+        DOT_PREC=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
+        **fused_ops.pdl_options(x),
     )
     return out
 
