@@ -31,6 +31,11 @@ def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0)
     return x, w, b
 
 
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 1024), (1024, 2048),
+                (6144, 1024), (1024, 3072), (6144, 4096), (4096, 4096), (28672, 4096),
+                (4096, 14336)]  # (out, in) of the shipped models' projections
+
+
 def _check(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype
     if want.dtype == torch.float32:
@@ -68,10 +73,10 @@ def test_linear_layer_dispatch(monkeypatch):
     monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "0")
     assert not linear.Linear(24, 8).small_batch_kernel
     monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "1")
-    # Llama-8B's down projection (117 MB in bf16) stays on cuBLAS, its o_proj does not.
+    # Llama-8B's gate_up (235 MB in bf16) takes the kernel; a vocabulary-sized one would not.
     with torch.device("meta"):
-        assert not linear.Linear(14336, 4096, bias=False).small_batch_kernel
-        assert linear.Linear(4096, 4096, bias=False).small_batch_kernel
+        assert linear.Linear(4096, 28672, bias=False).small_batch_kernel
+        assert not linear.Linear(4096, 128256, bias=False).small_batch_kernel
     x = torch.randn(2, 24, device=DEV)
     assert not linear.small_batch_gemv_enabled(x)  # float32: never
     _check(layer(x), F.linear(x, layer.weight, layer.bias))
@@ -81,8 +86,7 @@ def test_linear_layer_dispatch(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 576), (3072, 576), (576, 1536),
-                                 (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("n,k", MODEL_SHAPES)
 @pytest.mark.parametrize("m", [1, 8])
 def test_gpu_model_shapes(m, n, k):
     x, w, _ = _case(m, n, k, torch.bfloat16, False)
@@ -138,12 +142,12 @@ def test_gpu_l2_prefetch_changes_no_bits(n, k, split_k, l2_prefetch):
         assert torch.equal(got, plain)
 
 
-@pytest.mark.parametrize("n,k", [(40, 4100), (24, 1600), (72, 600)])
-def test_every_default_config_matches_f_linear(n, k):
-    """Each branch of small_gemm_config (long K, few outputs over a long K, the rest) computes
-    the right result with the tiles it picks, including the partial last tiles."""
-    x, w, b = _case(2, n, k, torch.float32, True, seed=3)
-    _check(linear.small_batch_linear(x, w, b), F.linear(x, w, b))
+@pytest.mark.parametrize("config", sorted({linear.small_gemm_config(n, k) for n, k in MODEL_SHAPES}))
+def test_every_default_config_matches_f_linear(config):
+    """Each config small_gemm_config picks for the shipped models' shapes computes the right
+    result (at a small shape with partial last tiles; the GPU test runs the real shapes)."""
+    x, w, b = _case(2, 72, 1100, torch.float32, True, seed=3)
+    _check(linear.small_batch_linear(x, w, b, config=config), F.linear(x, w, b))
 
 
 def test_decoder_with_small_batch_kernel_forced(tmp_path, monkeypatch):

@@ -27,8 +27,8 @@ from ember import envs
 from ember.layers import fused_ops
 
 SMALL_BATCH_MAX_ROWS = 16  # one tl.dot tile of rows
-# 64 MB in bf16: Llama-8B's qkv (50 MB) and o_proj (34 MB) gain or tie, its gate_up and down lose.
-SMALL_BATCH_MAX_WEIGHT_ELEMENTS = 32 * 2**20
+# 256 MB in bf16: all of Llama-8B's layers (its gate_up is 235 MB); an lm_head is nn.Linear.
+SMALL_BATCH_MAX_WEIGHT_ELEMENTS = 128 * 2**20
 # triton.language, set by fused_ops._jit on the first launch (the kernel body uses it as `tl`).
 tl: Any = None
 
@@ -122,14 +122,23 @@ class GemmConfig(NamedTuple):
 
 def small_gemm_config(n: int, k: int) -> GemmConfig:
     """Tiles for an [n, k] weight: the best of benchmarks/small_gemm.py's sweep on an H200 at
-    batch 1 for the shipped models' shapes, as a rule. Few output features over a long K (down,
-    o_proj of the small models) want K split in four (32 x 256 tiles: 6.3 us against 7.7 unsplit
-    for Qwen3's down); K >= 4096 wants 512-byte rows per tile; the rest 32 x 128 tiles."""
+    batch 1 (with PDL) for the shipped models' shapes, as a rule. Llama-8B's K >= 4096 layers
+    stream 34-235 MB each: 3-stage pipelines with 32 x 256 tiles for gate_up (56.7 us, 97% of
+    copy bandwidth, against cuBLAS's 61.4) and 32 x 512 for o_proj and down; 64 x 128 tiles
+    in 6 stages for a few thousand outputs (qkv). The small models' layers gain from
+    prefetching the first 1024 K of each W row into L2 while the previous kernel ends; few
+    outputs over a long K (down, o_proj) split K in four."""
+    if k >= 4096 and n >= 16384:
+        return GemmConfig(32, 256, num_stages=3)
+    if 4096 < n < 16384:
+        return GemmConfig(64, 128, num_stages=6)
     if k >= 4096:
-        return GemmConfig(32, 256)
+        return GemmConfig(32, 512, num_stages=3)
     if n <= 1024 and k >= 1536:
-        return GemmConfig(32, 256, 4)
-    return GemmConfig(32, 128)
+        return GemmConfig(32, 256, 4, l2_prefetch=1024)
+    if n * k < 2**20:
+        return GemmConfig(32, 128, l2_prefetch=1024)
+    return GemmConfig(32, 256, l2_prefetch=1024)
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
