@@ -8,8 +8,10 @@ reduce kernel. ``small_batch_linear`` streams W in [BLOCK_N, BLOCK_K] tiles, one
 BLOCK_N output features, with the <= 16 input rows padded to one tl.dot tile.
 
 Measured per shape against cuBLAS (benchmarks/small_gemm.py, docs/benchmarks.md) it wins up to
-tens of MB of weights and loses on Llama-8B's 117-235 MB gate_up and down, where cuBLAS streams
-at the copy bandwidth: so layers of at most SMALL_BATCH_MAX_WEIGHT_ELEMENTS take it. On by default
+tens of MB of weights at every batch up to 16. On Llama-8B's 117-235 MB gate_up and down, where
+cuBLAS streams near the copy bandwidth, it wins or ties at batch 1 only (its L2 prefetch and
+PDL start overlap the kernel before): layers of up to SMALL_BATCH_MAX_WEIGHT_ELEMENTS take it at
+up to 16 rows, layers of up to LARGE_WEIGHT_MAX_ELEMENTS at one row. On by default
 on CUDA in fp16/bf16 outside torch.compile; EMBER_SMALL_BATCH_GEMV=0 turns it off. Tested under
 TRITON_INTERPRET=1 on the CPU (tests/test_small_gemm.py). Subclassing nn.Linear keeps parameter
 names, weight loading and quantization (which replaces nn.Linear modules) unchanged.
@@ -27,8 +29,10 @@ from ember import envs
 from ember.layers import fused_ops
 
 SMALL_BATCH_MAX_ROWS = 16  # one tl.dot tile of rows
-# 256 MB in bf16: all of Llama-8B's layers (its gate_up is 235 MB); an lm_head is nn.Linear.
-SMALL_BATCH_MAX_WEIGHT_ELEMENTS = 128 * 2**20
+# 64 MB in bf16: Llama-8B's qkv (50 MB) and o_proj (34 MB) gain at every batch up to 16.
+SMALL_BATCH_MAX_WEIGHT_ELEMENTS = 32 * 2**20
+# 256 MB: Llama-8B's down (117 MB) and gate_up (235 MB), at batch 1. An lm_head is nn.Linear.
+LARGE_WEIGHT_MAX_ELEMENTS = 128 * 2**20
 # triton.language, set by fused_ops._jit on the first launch (the kernel body uses it as `tl`).
 tl: Any = None
 
@@ -37,7 +41,8 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
                        stride_xm, stride_wn, stride_om, k_per_split,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, L2_PREFETCH: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+                       SILU_AND_MUL: tl.constexpr):
     # Grid (output tiles, K splits). With SPLIT_K > 1 each program stores its fp32 partial sum;
     # the last split of a tile to finish (an atomic count per tile, no second kernel) adds them
     # in split order, so the result does not depend on which finished first, and resets the count.
@@ -47,6 +52,8 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
     # L2 first, one prefetch per 128-byte line. W depends on no earlier kernel, so with PDL this
     # happens while the kernel before (RMSNorm, attention) still runs: the weight stream starts
     # before x exists. Everything else waits for it (fused_ops.pdl_options).
+    # SILU_AND_MUL: x rows are [gate | up] (2K wide) and the input is silu(gate) * up, rounded
+    # as fused_ops.silu_and_mul rounds it, so the MLP needs no separate activation kernel.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -73,8 +80,14 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
     for k in range(k_lo, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if SILU_AND_MUL:
+            gate = x.to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (act * up).to(x_ptr.dtype.element_ty)
         if PREFETCH:
             offs_next = offs_k + BLOCK_K
             w_next = tl.load(w_rows + offs_next[None, :],
@@ -121,19 +134,21 @@ class GemmConfig(NamedTuple):
 
 
 def small_gemm_config(n: int, k: int) -> GemmConfig:
-    """Tiles for an [n, k] weight: the best of benchmarks/small_gemm.py's sweep on an H200 at
-    batch 1 (with PDL) for the shipped models' shapes, as a rule. Llama-8B's K >= 4096 layers
-    stream 34-235 MB each: 3-stage pipelines with 32 x 256 tiles for gate_up (56.7 us, 97% of
-    copy bandwidth, against cuBLAS's 61.4) and 32 x 512 for o_proj and down; 64 x 128 tiles
-    in 6 stages for a few thousand outputs (qkv). The small models' layers gain from
-    prefetching the first 1024 K of each W row into L2 while the previous kernel ends; few
-    outputs over a long K (down, o_proj) split K in four."""
-    if k >= 4096 and n >= 16384:
-        return GemmConfig(32, 256, num_stages=3)
-    if 4096 < n < 16384:
+    """Tiles for an [n, k] weight: the best of benchmarks/small_gemm.py's sweep on an H200 (with
+    PDL) for the shipped models' shapes, as a rule. Weights past SMALL_BATCH_MAX_WEIGHT_ELEMENTS
+    (Llama-8B's gate_up and down, batch 1 only) stream in 3-stage pipelines: 32 x 256 tiles
+    for many outputs (gate_up 56.7-57.0 us, 97% of copy bandwidth), 32 x 512 over a long K
+    (down 29.8 us against cuBLAS's 30.9). A few thousand outputs want 64 x 128 tiles in 6
+    stages (Llama's qkv 14.5 us against 16.1), K >= 4096 32 x 256 tiles in 5 (o_proj 10.9
+    against 12.5). The small models' layers gain from prefetching the first 1024 K of each W
+    row into L2 while the kernel before ends; few outputs over a long K (down, o_proj) split K
+    in four."""
+    if n * k > SMALL_BATCH_MAX_WEIGHT_ELEMENTS:
+        return GemmConfig(32, 256, num_stages=3) if n > k else GemmConfig(32, 512, num_stages=3)
+    if n > 4096:
         return GemmConfig(64, 128, num_stages=6)
     if k >= 4096:
-        return GemmConfig(32, 512, num_stages=3)
+        return GemmConfig(32, 256, num_stages=5)
     if n <= 1024 and k >= 1536:
         return GemmConfig(32, 256, 4, l2_prefetch=1024)
     if n * k < 2**20:
@@ -142,10 +157,14 @@ def small_gemm_config(n: int, k: int) -> GemmConfig:
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: tuple | None = None) -> torch.Tensor:
+                       config: tuple | None = None, silu_and_mul: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2-D x of at most SMALL_BATCH_MAX_ROWS rows.
-    ``config`` (a GemmConfig, or its fields as a tuple) overrides the tuned tiles."""
+    ``config`` (a GemmConfig, or its fields as a tuple) overrides the tuned tiles. With
+    ``silu_and_mul`` x is [m, 2k] and the input is ``fused_ops.silu_and_mul(x)``, computed as
+    the kernel reads it."""
     m, k = x.shape
+    if silu_and_mul:
+        k //= 2
     n = weight.shape[0]
     assert m <= SMALL_BATCH_MAX_ROWS and weight.shape[1] == k
     if x.stride(-1) != 1:
@@ -179,8 +198,8 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=SMALL_BATCH_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         PREFETCH=prefetch, L2_PREFETCH=l2_prefetch, HAS_BIAS=bias is not None,
-        DOT_PREC=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
-        **fused_ops.pdl_options(x),
+        DOT_PREC=dot_precision(x.dtype), SILU_AND_MUL=silu_and_mul, num_warps=num_warps,
+        num_stages=num_stages, **fused_ops.pdl_options(x),
     )
     return out
 
@@ -190,20 +209,36 @@ def small_batch_gemv_enabled(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.shape[0] <= SMALL_BATCH_MAX_ROWS and fused_ops.fused_ops_enabled(x)
 
 
+def silu_and_mul_linear(layer: nn.Module, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
+    """``layer(act(gate_up))`` for act = SiLU-and-mul (a SwiGLU MLP's down projection). When
+    ``layer`` is a Linear that takes the small-batch kernel for this input, the kernel applies
+    the activation as it reads gate_up: one kernel fewer per MLP. Any other layer (e.g. one
+    replaced by quantization) gets ``act``'s output."""
+    rows = getattr(layer, "small_batch_max_rows", 0)
+    if gate_up.dim() == 2 and gate_up.shape[0] <= rows and small_batch_gemv_enabled(gate_up):
+        return small_batch_linear(gate_up, layer.weight, layer.bias, silu_and_mul=True)
+    return layer(act(gate_up))
+
+
+def small_batch_max_rows(in_features: int, out_features: int) -> int:
+    """Up to how many rows a layer of this size takes the kernel (0: never), as set by
+    EMBER_SMALL_BATCH_GEMV and the weight-size limits above."""
+    elements = in_features * out_features
+    if not envs.small_batch_gemv() or elements > LARGE_WEIGHT_MAX_ELEMENTS:
+        return 0
+    return SMALL_BATCH_MAX_ROWS if elements <= SMALL_BATCH_MAX_WEIGHT_ELEMENTS else 1
+
+
 class Linear(nn.Linear):
-    """nn.Linear that sends small-batch CUDA half-precision calls to ``small_batch_linear`` when
-    its weight is small enough and EMBER_SMALL_BATCH_GEMV was not 0 as the layer was built;
-    otherwise exactly nn.Linear (one attribute test per call: eager steps call every projection
-    of every layer)."""
+    """nn.Linear that sends small-batch CUDA half-precision calls to ``small_batch_linear`` at
+    up to ``small_batch_max_rows`` rows (fixed as the layer is built); otherwise exactly
+    nn.Linear (one attribute test per call: eager steps call every projection of every layer)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.small_batch_kernel = (
-            envs.small_batch_gemv()
-            and self.in_features * self.out_features <= SMALL_BATCH_MAX_WEIGHT_ELEMENTS
-        )
+        self.small_batch_max_rows = small_batch_max_rows(self.in_features, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_batch_kernel and small_batch_gemv_enabled(x):
+        if x.shape[0] <= self.small_batch_max_rows and small_batch_gemv_enabled(x):
             return small_batch_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
