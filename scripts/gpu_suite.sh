@@ -28,7 +28,8 @@ for part in $PARTS; do
     # JIT-compiles every kernel variant on a fresh machine (~20-40 s each): its grid runs the
     # benchmark head size (128) only unless GRID_FILTER= (empty) is set.
     tests) stage gpu_tests 330 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --durations=15 \
-             tests/test_fused_ops.py tests/test_small_gemm.py tests/test_triton_attention.py \
+             tests/test_fused_ops.py tests/test_small_gemm.py tests/test_pdl.py \
+             tests/test_triton_attention.py \
              tests/test_gpu_engine.py \
              tests/test_gpu_backend_grid.py --junitxml="$OUT/gpu_tests.xml" \
              -k "${GRID_FILTER-not (flashinfer and d64)}" ;;
