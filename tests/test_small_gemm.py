@@ -31,29 +31,6 @@ def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0)
     return x, w, b
 
 
-@pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("m,bias", [(1, False), (5, True)])
-def test_silu_and_mul_input_equals_separate_kernels(m, bias, split_k):
-    """The kernel fed [gate | up] gives the bits of the SiLU-and-mul kernel followed by the
-    plain kernel, and the MLP path takes it exactly where the layer takes the kernel."""
-    x, w, b = _case(m, 40, 300, torch.float16, bias, seed=6)
-    gate_up = torch.cat([x, x.flip(0) * 0.5], dim=1)
-    want = linear.small_batch_linear(fused_ops.silu_and_mul(gate_up), w, b, config=(16, 32, split_k))
-    got = linear.small_batch_linear(gate_up, w, b, config=(16, 32, split_k), silu_and_mul=True)
-    assert torch.equal(got, want)
-
-
-def test_silu_and_mul_linear_falls_back_to_the_activation(monkeypatch):
-    """Where the kernel is not taken (the CPU; a layer that is not ember's Linear) the MLP
-    helper is exactly layer(act(gate_up))."""
-    from ember.layers.activation import SiluAndMul
-
-    gate_up = torch.randn(3, 48)
-    for layer in (linear.Linear(24, 8), torch.nn.Linear(24, 8)):
-        want = layer(SiluAndMul()(gate_up))
-        assert torch.equal(linear.silu_and_mul_linear(layer, gate_up, SiluAndMul()), want)
-
-
 MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 1024), (1024, 2048),
                 (6144, 1024), (1024, 3072), (6144, 4096), (4096, 4096), (28672, 4096),
                 (4096, 14336)]  # (out, in) of the shipped models' projections
@@ -151,18 +128,6 @@ def test_gpu_split_k_and_prefetch_model_shapes(n, k, split_k, prefetch):
         first = linear.small_batch_linear(x, w, config=config)
         _check(first, F.linear(x, w))
         assert torch.equal(linear.small_batch_linear(x, w, config=config), first)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(4096, 14336), (576, 1536), (1024, 3072)])
-def test_gpu_silu_and_mul_input_model_shapes(n, k):
-    """The down projections of the shipped models with their default tiles: fed [gate | up],
-    the kernel gives the bits of SiLU-and-mul followed by the plain kernel."""
-    for m in (1, 8):
-        gate_up, w, _ = _case(m, n, 2 * k, torch.bfloat16, False)
-        w = w[:, :k].contiguous()
-        want = linear.small_batch_linear(fused_ops.silu_and_mul(gate_up), w)
-        assert torch.equal(linear.small_batch_linear(gate_up, w, silu_and_mul=True), want)
 
 
 @pytest.mark.gpu

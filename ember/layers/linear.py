@@ -41,8 +41,7 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
                        stride_xm, stride_wn, stride_om, k_per_split,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, L2_PREFETCH: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-                       SILU_AND_MUL: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # Grid (output tiles, K splits). With SPLIT_K > 1 each program stores its fp32 partial sum;
     # the last split of a tile to finish (an atomic count per tile, no second kernel) adds them
     # in split order, so the result does not depend on which finished first, and resets the count.
@@ -52,8 +51,6 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
     # L2 first, one prefetch per 128-byte line. W depends on no earlier kernel, so with PDL this
     # happens while the kernel before (RMSNorm, attention) still runs: the weight stream starts
     # before x exists. Everything else waits for it (fused_ops.pdl_options).
-    # SILU_AND_MUL: x rows are [gate | up] (2K wide) and the input is silu(gate) * up, rounded
-    # as fused_ops.silu_and_mul rounds it, so the MLP needs no separate activation kernel.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -80,14 +77,8 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
     for k in range(k_lo, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if SILU_AND_MUL:
-            gate = x.to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (act * up).to(x_ptr.dtype.element_ty)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if PREFETCH:
             offs_next = offs_k + BLOCK_K
             w_next = tl.load(w_rows + offs_next[None, :],
@@ -157,14 +148,10 @@ def small_gemm_config(n: int, k: int) -> GemmConfig:
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: tuple | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+                       config: tuple | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2-D x of at most SMALL_BATCH_MAX_ROWS rows.
-    ``config`` (a GemmConfig, or its fields as a tuple) overrides the tuned tiles. With
-    ``silu_and_mul`` x is [m, 2k] and the input is ``fused_ops.silu_and_mul(x)``, computed as
-    the kernel reads it."""
+    ``config`` (a GemmConfig, or its fields as a tuple) overrides the tuned tiles."""
     m, k = x.shape
-    if silu_and_mul:
-        k //= 2
     n = weight.shape[0]
     assert m <= SMALL_BATCH_MAX_ROWS and weight.shape[1] == k
     if x.stride(-1) != 1:
@@ -198,8 +185,8 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=SMALL_BATCH_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         PREFETCH=prefetch, L2_PREFETCH=l2_prefetch, HAS_BIAS=bias is not None,
-        DOT_PREC=dot_precision(x.dtype), SILU_AND_MUL=silu_and_mul, num_warps=num_warps,
-        num_stages=num_stages, **fused_ops.pdl_options(x),
+        DOT_PREC=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
+        **fused_ops.pdl_options(x),
     )
     return out
 
@@ -207,17 +194,6 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def small_batch_gemv_enabled(x: torch.Tensor) -> bool:
     """Whether this input may take the kernel (the layer also needs EMBER_SMALL_BATCH_GEMV)."""
     return x.dim() == 2 and x.shape[0] <= SMALL_BATCH_MAX_ROWS and fused_ops.fused_ops_enabled(x)
-
-
-def silu_and_mul_linear(layer: nn.Module, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
-    """``layer(act(gate_up))`` for act = SiLU-and-mul (a SwiGLU MLP's down projection). When
-    ``layer`` is a Linear that takes the small-batch kernel for this input, the kernel applies
-    the activation as it reads gate_up: one kernel fewer per MLP. Any other layer (e.g. one
-    replaced by quantization) gets ``act``'s output."""
-    rows = getattr(layer, "small_batch_max_rows", 0)
-    if gate_up.dim() == 2 and gate_up.shape[0] <= rows and small_batch_gemv_enabled(gate_up):
-        return small_batch_linear(gate_up, layer.weight, layer.bias, silu_and_mul=True)
-    return layer(act(gate_up))
 
 
 def small_batch_max_rows(in_features: int, out_features: int) -> int:

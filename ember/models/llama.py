@@ -18,7 +18,7 @@ from torch import nn
 from ember.attention_backends.base import AttentionBackend
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import Attention, ForwardContext
-from ember.layers.linear import Linear, silu_and_mul_linear
+from ember.layers.linear import Linear
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding
 
@@ -115,7 +115,7 @@ class DecoderMLP(nn.Module):
         return [self.intermediate_size, self.intermediate_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul_linear(self.down_proj, self.gate_up_proj(x), self.act)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
