@@ -319,6 +319,35 @@ def test_backend_forward(graph_batch, shape, decode_stores_kv, monkeypatch):
     _close(out[:n], ref, 1e-4)
 
 
+@pytest.mark.parametrize("shape,want", [(DECODE_ONLY, [None, None]), (MIXED, "lengths")])
+def test_decode_splits_do_not_depend_on_graph_capture(shape, want, monkeypatch):
+    """Eager decode steps (enforce_eager, or before any capture) pick their splits as graph
+    replays do, from the batch alone, so they round alike and give the same tokens; only mixed
+    batches, which always run eagerly, use their known lengths."""
+    impl_cls = TritonBackend.impl_cls()
+    seen = []
+    real = impl_cls._decode_splits
+
+    def record(self, batch, max_seq_len, device):
+        seen.append(max_seq_len)
+        return real(self, batch, max_seq_len, device)
+
+    monkeypatch.setattr(impl_cls, "_decode_splits", record)
+    num_heads, num_kv_heads, head_size = 4, 2, 32
+    q, k, v, cache, meta = _batch(num_heads, num_kv_heads, head_size, 4, torch.float32, shape)
+    impl = impl_cls(num_heads, head_size, 0.2, num_kv_heads)
+    outs = []
+    for graph_batch in (0, 8):
+        monkeypatch.setattr(TritonBackend, "graph_max_batch_size", graph_batch)
+        outs.append(impl.forward(q, k, v, cache.clone(), meta))
+    if want == "lengths":
+        assert seen == [meta.max_seq_len] * 2
+    else:
+        assert seen == want
+    n = meta.num_actual_tokens
+    assert torch.equal(outs[0][:n], outs[1][:n])
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_backend_matches_sdpa_reference(window):
     sdpa = pytest.importorskip("ember.attention_backends.sdpa")

@@ -113,11 +113,11 @@ class TritonImpl(AttentionImpl):
         window = self.sliding_window
         cap = self.logits_soft_cap
         if num_decodes > 0:
-            graph_batch = TritonBackend.graph_max_batch_size
             # Pure-decode batches may be graph captured: choose splits from the batch alone so
-            # the captured grid stays good for whatever lengths the replays bring.
-            graphable = num_reqs == num_decodes and num_decodes <= graph_batch
-            max_seq_len = None if graphable else metadata.max_seq_len
+            # the captured grid stays good for whatever lengths the replays bring. Eager runs
+            # (enforce_eager, or batches past the largest graph) choose the same way, so they
+            # round exactly as replays do and give the same tokens.
+            max_seq_len = None if num_reqs == num_decodes else metadata.max_seq_len
             splits = self._decode_splits(num_decodes, max_seq_len, query.device)
             ops.paged_decode_attention(
                 q[:num_decodes],
