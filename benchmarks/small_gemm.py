@@ -5,7 +5,7 @@ Each timing replays a CUDA graph of back-to-back calls, as a decode step's graph
 cost inside a graph is counted and host launch cost is not; per call = replay time / calls. The
 calls cycle over copies of the weight that together exceed L2 (as a step's layers do), so the
 weights come from HBM. Bandwidth = weight bytes / time, also as a fraction of the
-device-to-device copy bandwidth. Configs are named BLOCK_N x BLOCK_K x SPLIT_K, p = prefetch,
+device-to-device copy bandwidth. Configs are named BLOCK_N x BLOCK_K x SPLIT_K,
 lN = N elements of each W row prefetched into L2, wAsB = A warps and B pipeline stages (when not
 4 and 4); with --pdl 0 1 each is timed with
 programmatic dependent launch off and on (key suffix _pdl0 / _pdl1), and --norm puts a fused
@@ -43,13 +43,12 @@ SHAPES = {  # name: (out features N, in features K)
 CONFIGS = [GemmConfig(*c) for c in [
     (16, 128), (16, 256), (32, 128), (32, 256), (64, 128), (16, 512),
     (32, 256, 2), (32, 256, 4), (64, 128, 2), (64, 256, 4),
-    (32, 128, 1, False, 1024), (32, 256, 1, False, 1024), (32, 256, 4, False, 1024),
+    (32, 128, 1, 1024), (32, 256, 1, 1024), (32, 256, 4, 1024),
     # Deeper pipelines (more W tiles in flight per program) and wider programs.
-    *[(32, 256, 1, False, 0, 4, stages) for stages in (3, 5, 6, 8)],
-    (32, 512, 1, False, 0, 4, 3), (32, 512, 1, False, 0, 8, 4), (64, 256, 1, False, 0, 8, 3),
-    (64, 256, 1, False, 0, 8, 4), (16, 256, 1, False, 0, 4, 6), (16, 256, 1, False, 0, 4, 8),
-    (16, 512, 1, False, 0, 4, 6), (64, 128, 1, False, 0, 4, 6), (32, 256, 2, False, 0, 4, 6),
-    (64, 256, 2, False, 0, 8, 4), (32, 256, 4, False, 0, 4, 6),
+    *[(32, 256, 1, 0, 4, stages) for stages in (3, 5, 6, 8)],
+    (32, 512, 1, 0, 4, 3), (32, 512, 1, 0, 8, 4), (64, 256, 1, 0, 8, 3), (64, 256, 1, 0, 8, 4),
+    (16, 256, 1, 0, 4, 6), (16, 256, 1, 0, 4, 8), (16, 512, 1, 0, 4, 6), (64, 128, 1, 0, 4, 6),
+    (32, 256, 2, 0, 4, 6), (64, 256, 2, 0, 8, 4), (32, 256, 4, 0, 4, 6),
 ]]
 MIN_CALLS, MAX_COPIES = 20, 256
 L2_FLUSH_BYTES = 200 * 2**20  # several times the H200's L2
@@ -87,9 +86,9 @@ def time_calls(op, x: torch.Tensor, weights: list[torch.Tensor], norm: torch.Ten
 
 def config_name(cfg: GemmConfig) -> str:
     default = GemmConfig(0, 0)
-    return "{}x{}x{}{}{}{}".format(
-        *cfg[:3], "p" if cfg.prefetch else "", f"l{cfg.l2_prefetch}" if cfg.l2_prefetch else "",
-        "" if cfg[5:] == default[5:] else f"w{cfg.num_warps}s{cfg.num_stages}")
+    return "{}x{}x{}{}{}".format(
+        *cfg[:3], f"l{cfg.l2_prefetch}" if cfg.l2_prefetch else "",
+        "" if cfg[4:] == default[4:] else f"w{cfg.num_warps}s{cfg.num_stages}")
 
 
 def main() -> None:

@@ -72,8 +72,9 @@ def disable_fused_ops() -> bool:
 
 
 def small_batch_gemv() -> bool:
-    """EMBER_SMALL_BATCH_GEMV (default on; 0 = off): linear layers of up to 64 MB of weights at
-    batch <= 16 on CUDA in fp16/bf16 use the Triton kernel of ember.layers.linear, not cuBLAS."""
+    """EMBER_SMALL_BATCH_GEMV (default on; 0 = off): on CUDA in fp16/bf16, linear layers of up to
+    64 MB of weights at batch <= 16 (up to 256 MB at batch 1) use the Triton kernel of
+    ember.layers.linear, not cuBLAS."""
     return _flag_default_on("EMBER_SMALL_BATCH_GEMV")
 
 

@@ -9,8 +9,8 @@ BLOCK_N output features, with the <= 16 input rows padded to one tl.dot tile.
 
 Measured per shape against cuBLAS (benchmarks/small_gemm.py, docs/benchmarks.md) it wins up to
 tens of MB of weights at every batch up to 16. On Llama-8B's 117-235 MB gate_up and down, where
-cuBLAS streams near the copy bandwidth, it wins or ties at batch 1 only (its L2 prefetch and
-PDL start overlap the kernel before): layers of up to SMALL_BATCH_MAX_WEIGHT_ELEMENTS take it at
+cuBLAS streams near the copy bandwidth, it wins or ties at batch 1 only (with PDL its start
+overlaps the kernel before): layers of up to SMALL_BATCH_MAX_WEIGHT_ELEMENTS take it at
 up to 16 rows, layers of up to LARGE_WEIGHT_MAX_ELEMENTS at one row. On by default
 on CUDA in fp16/bf16 outside torch.compile; EMBER_SMALL_BATCH_GEMV=0 turns it off. Tested under
 TRITON_INTERPRET=1 on the CPU (tests/test_small_gemm.py). Subclassing nn.Linear keeps parameter
@@ -40,13 +40,12 @@ tl: Any = None
 def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, K,
                        stride_xm, stride_wn, stride_om, k_per_split,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, L2_PREFETCH: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                       SPLIT_K: tl.constexpr, L2_PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # Grid (output tiles, K splits). With SPLIT_K > 1 each program stores its fp32 partial sum;
     # the last split of a tile to finish (an atomic count per tile, no second kernel) adds them
     # in split order, so the result does not depend on which finished first, and resets the count.
-    # PREFETCH loads the next W tile before the current one's dot: Triton does not multi-buffer
-    # these loads at M = 16 (mma v2), so this doubles the bytes a program keeps in flight.
+    # Triton multi-buffers the W (and x) tile loads of the loop: num_stages - 1 tiles in flight.
     # L2_PREFETCH: the first L2_PREFETCH K elements of the program's W rows are requested into
     # L2 first, one prefetch per 128-byte line. W depends on no earlier kernel, so with PDL this
     # happens while the kernel before (RMSNorm, attention) still runs: the weight stream starts
@@ -70,25 +69,13 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if PREFETCH:
-        offs_k = k_lo + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < k_hi)[None, :],
-                    other=0.0)
     for k in range(k_lo, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if PREFETCH:
-            offs_next = offs_k + BLOCK_K
-            w_next = tl.load(w_rows + offs_next[None, :],
-                             mask=n_mask[:, None] & (offs_next < k_hi)[None, :], other=0.0)
-        else:
-            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                        other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
-        if PREFETCH:
-            w = w_next
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -111,14 +98,13 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
 
 
 class GemmConfig(NamedTuple):
-    """Tiles of ``small_batch_linear``: output features and K per step, K splits, prefetch of
-    the next tile into registers, K elements per W row prefetched into L2 up front (CUDA only),
-    warps, and pipeline stages (Triton keeps num_stages - 1 tiles of W in flight)."""
+    """Tiles of ``small_batch_linear``: output features and K per step, K splits, K elements per
+    W row prefetched into L2 up front (CUDA only), warps, and pipeline stages (Triton keeps
+    num_stages - 1 tiles of W in flight)."""
 
     block_n: int
     block_k: int
     split_k: int = 1
-    prefetch: bool = False
     l2_prefetch: int = 0
     num_warps: int = 4
     num_stages: int = 4
@@ -161,7 +147,7 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_n, block_k, split_k, prefetch, l2_prefetch, num_warps, num_stages = GemmConfig(
+    block_n, block_k, split_k, l2_prefetch, num_warps, num_stages = GemmConfig(
         *(config or small_gemm_config(n, k)))
     if config is None and envs.gemv_l2_prefetch() is not None:
         l2_prefetch = envs.gemv_l2_prefetch()
@@ -184,7 +170,7 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         x, weight, bias if bias is not None else weight, out, partials, counters, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=SMALL_BATCH_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        PREFETCH=prefetch, L2_PREFETCH=l2_prefetch, HAS_BIAS=bias is not None,
+        L2_PREFETCH=l2_prefetch, HAS_BIAS=bias is not None,
         DOT_PREC=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
         **fused_ops.pdl_options(x),
     )
