@@ -5,11 +5,11 @@ Each timing replays a CUDA graph of back-to-back calls, as a decode step's graph
 cost inside a graph is counted and host launch cost is not; per call = replay time / calls. The
 calls cycle over copies of the weight that together exceed L2 (as a step's layers do), so the
 weights come from HBM. Bandwidth = weight bytes / time, also as a fraction of the
-device-to-device copy bandwidth. Configs are named BLOCK_N x BLOCK_K x SPLIT_K,
-lN = N elements of each W row prefetched into L2, wAsB = A warps and B pipeline stages (when not
-4 and 4); with --pdl 0 1 each is timed with
-programmatic dependent launch off and on (key suffix _pdl0 / _pdl1), and --norm puts a fused
-RMSNorm before every call, as in a decoder layer (the norm is then in every time, cuBLAS's too).
+device-to-device copy bandwidth. Configs are named BLOCK_N x BLOCK_K x SPLIT_K, then lN = N
+elements of each W row prefetched into L2 and wAsB = A warps and B pipeline stages (when not 4
+and 4). With --pdl 0 1 each is timed with programmatic dependent launch off and on (key suffix
+_pdl0 / _pdl1); --norm puts a fused RMSNorm before every call, as in a decoder layer (the norm
+is then in every time, cuBLAS's too).
 The kernel is checked against F.linear first. Sweeps (BLOCK_N, BLOCK_K) and prints, per shape,
 the best config and whether it beats cuBLAS; the model-level effect is what decides the default
 (EMBER_SMALL_BATCH_GEMV): run `ember bench throughput` with and without it.

@@ -86,7 +86,7 @@ def decode_stores_kv() -> bool:
 
 def pdl() -> bool:
     """EMBER_PDL (default on; 0 = off): ember's Triton kernels launch with programmatic dependent
-    launch on sm90+ GPUs, so each starts while the kernel before it finishes (see fused_ops.pdl)."""
+    launch on sm90+ GPUs, so each starts while the kernel before it ends (fused_ops.pdl_options)."""
     return _flag_default_on("EMBER_PDL")
 
 

@@ -153,7 +153,7 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         l2_prefetch = envs.gemv_l2_prefetch()
     if not fused_ops.compiled_for_gpu(x):
         l2_prefetch = 0  # an inline PTX instruction: not in the interpreter
-    # At least one line, at most the split's K, in whole powers of two of lines.
+    # At least one line, at most K, in whole powers of two of lines (the kernel masks per split).
     l2_prefetch = fused_ops._next_power_of_2(max(min(l2_prefetch, k), 64)) if l2_prefetch else 0
     # Whole BLOCK_K steps per split, and no split left empty.
     k_per_split = fused_ops._cdiv(fused_ops._cdiv(k, split_k), block_k) * block_k
