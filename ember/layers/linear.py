@@ -149,8 +149,9 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return out
     block_n, block_k, split_k, l2_prefetch, num_warps, num_stages = GemmConfig(
         *(config or small_gemm_config(n, k)))
-    if config is None and envs.gemv_l2_prefetch() is not None:
-        l2_prefetch = envs.gemv_l2_prefetch()
+    l2_override = envs.gemv_l2_prefetch() if config is None else None
+    if l2_override is not None:
+        l2_prefetch = l2_override
     if not fused_ops.compiled_for_gpu(x):
         l2_prefetch = 0  # an inline PTX instruction: not in the interpreter
     # At least one line, at most K, in whole powers of two of lines (the kernel masks per split).
