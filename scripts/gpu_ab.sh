@@ -3,6 +3,7 @@
 # large machine-to-machine spread of the H200 hosts drops out. Prepare the old tree here first:
 #   mkdir -p ab/old && git archive <rev> ember | tar x -C ab/old     (ab/ is git-ignored)
 # then run on the device with carry [".whl", "ab"]:  scripts/gpu_ab.sh [MODEL...]
+# AB_WORKLOAD replaces nano-vllm's workload (e.g. a short one when batch 1 is what is compared).
 set -u
 source "$(dirname "$0")/gpu_common.sh"
 LOG=$OUT/ab.log
@@ -14,7 +15,7 @@ for variant in new old; do
   for model in $MODELS; do
     (cd "$dir" && PYTHONPATH=/tmp/site:$dir EMBER_COMMIT=$variant stage "${variant}_$model" 150 \
       python3 -m ember.entrypoints.cli bench throughput --load-format dummy --no-tqdm \
-      --model "ember/configs/$model" $NANO --no-baseline --single-output-len 512 \
+      --model "ember/configs/$model" ${AB_WORKLOAD:-$NANO} --no-baseline --single-output-len 512 \
       --out "$OUT/ab_${variant}_${model}.json")
   done
 done
