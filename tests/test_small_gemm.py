@@ -157,19 +157,10 @@ def test_decoder_with_small_batch_kernel_forced(tmp_path, monkeypatch):
         calls.append(1)
         return real(*args, **kwargs)
 
-    real_norm = linear.small_batch_norm_linear
-
-    def counted_norm(*args, **kwargs):
-        calls.append(2)
-        return real_norm(*args, **kwargs)
-
     monkeypatch.setattr(linear, "small_batch_gemv_enabled", lambda x: x.shape[0] <= 16)
     monkeypatch.setattr(linear, "small_batch_linear", counted)
-    monkeypatch.setattr(linear, "small_batch_norm_linear", counted_norm)
     _compare_decoders(run(), plain)
-    # 2 steps x 2 layers: o_proj and down alone; each norm with the projection after it (qkv,
-    # gate_up with the activation), so no separate norm or SiLU kernels.
-    assert sorted(calls) == [1] * 8 + [2] * 8
+    assert len(calls) == 2 * 2 * 4  # 2 steps x 2 layers x (qkv, o, gate_up, down)
 
 
 @pytest.mark.gpu
@@ -181,94 +172,3 @@ def test_gpu_bf16_decoder_small_batch_kernel(arch, tmp_path, monkeypatch):
     plain = _decoder_runner(arch, "triton", torch.bfloat16, tmp_path)()
     monkeypatch.setenv("EMBER_SMALL_BATCH_GEMV", "1")
     _compare_decoders(_decoder_runner(arch, "triton", torch.bfloat16, tmp_path)(), plain)
-
-
-def _norm_case(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 5):
-    gen = torch.Generator().manual_seed(seed)
-    branch = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
-    residual = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
-    norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(DEV)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEV)
-    b = torch.randn(n, generator=gen).to(dtype).to(DEV)
-    return branch, residual, norm_w, w, b
-
-
-def _separate_ops(branch, residual, norm_w, w, b, eps, gated):
-    """The unfused reference: add, HF's RMSNorm, linear, SiLU-and-mul (torch ops)."""
-    from ember.layers.norm import RMSNorm
-
-    norm = RMSNorm(norm_w.shape[0], eps).to(DEV)
-    norm.weight.data = norm_w
-    h = branch if residual is None else branch + residual
-    out = F.linear(norm._forward_torch(h), w, b)
-    if gated:
-        d = out.shape[-1] // 2
-        out = F.silu(out[:, :d]) * out[:, d:]
-    return out, h
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("m,n,k", [(1, 40, 72), (5, 34, 300)])
-def test_norm_linear_matches_separate_ops(m, n, k, with_residual, gated, dtype):
-    """RMSNorm (after the residual add) and SiLU-and-mul inside the projection's kernel: the
-    result of the separate ops, the residual stream exactly x + residual, inputs untouched."""
-    branch, residual, norm_w, w, b = _norm_case(m, n, k, dtype)
-    residual = residual if with_residual else None
-    before = [t.clone() for t in (branch, residual) if t is not None]
-    want, want_h = _separate_ops(branch, residual, norm_w, w, b, 1e-5, gated)
-    got, h = linear.small_batch_norm_linear(branch, residual, norm_w, 1e-5, w, b,
-                                            config=(16, 32), silu_and_mul=gated)
-    assert torch.equal(h, want_h)
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    else:  # the norm scales the fp32 sums instead of each rounded input: a few ulps apart
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-    assert all(torch.equal(a, t) for a, t in zip(before, (branch, residual)) if t is not None)
-
-
-def test_fused_variants_take_one_k_split():
-    """The norm needs a whole row in one program and the gated epilogue has no split merge: a
-    split-K config is run unsplit, with the same result, and leaves no counts behind."""
-    branch, residual, norm_w, w, b = _norm_case(3, 40, 300, torch.float32, seed=6)
-    want = linear.small_batch_norm_linear(branch, residual, norm_w, 1e-6, w, b, config=(16, 32))
-    got = linear.small_batch_norm_linear(branch, residual, norm_w, 1e-6, w, b,
-                                         config=(16, 32, 3))
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    gated = linear.small_batch_linear(branch, w, b, config=(16, 32, 3), silu_and_mul=True)
-    plain = F.linear(branch, w, b)
-    torch.testing.assert_close(gated, F.silu(plain[:, :20]) * plain[:, 20:], atol=1e-5,
-                               rtol=1e-5)
-    assert not fused_ops.merge_counters(1, branch.device).any()
-
-
-def test_norm_then_linear_falls_back_to_the_modules(monkeypatch):
-    """Where the kernel does not apply (float32 here, or a projection that is not an ember
-    Linear, e.g. a quantized one) the modules run in turn with their own arithmetic."""
-    from ember.layers.activation import SiluAndMul
-    from ember.layers.norm import RMSNorm
-
-    branch, residual, norm_w, w, b = _norm_case(2, 40, 72, torch.float32, seed=7)
-    norm = RMSNorm(72, 1e-6).to(DEV)
-    norm.weight.data = norm_w
-    for proj in (linear.Linear(72, 40).to(DEV), torch.nn.Linear(72, 40).to(DEV)):
-        proj.weight.data, proj.bias.data = w, b
-        got, h = linear.norm_then_linear(norm, proj, branch.clone(), residual, SiluAndMul())
-        want, want_h = _separate_ops(branch, residual, norm_w, w, b, 1e-6, True)
-        assert torch.equal(got, want) and torch.equal(h, want_h)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (28672, 4096), (3072, 576), (1600, 576)])
-def test_gpu_norm_linear_model_shapes(n, k, gated):
-    """The norm-and-projection kernel at the shipped models' qkv and gate_up shapes in bf16,
-    with the configs the layers pick, against the separate ops."""
-    for m in (1, 8):
-        branch, residual, norm_w, w, b = _norm_case(m, n, k, torch.bfloat16)
-        want, want_h = _separate_ops(branch, residual, norm_w, w, None, 1e-5, gated)
-        got, h = linear.small_batch_norm_linear(branch, residual, norm_w, 1e-5, w, None,
-                                                silu_and_mul=gated)
-        assert torch.equal(h, want_h)
-        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)

@@ -27,8 +27,6 @@ from torch import nn
 
 from ember import envs
 from ember.layers import fused_ops
-from ember.layers.activation import SiluAndMul
-from ember.layers.norm import RMSNorm
 
 SMALL_BATCH_MAX_ROWS = 16  # one tl.dot tile of rows
 # 64 MB in bf16: Llama-8B's qkv (50 MB) and o_proj (34 MB) gain at every batch up to 16.
@@ -39,12 +37,10 @@ LARGE_WEIGHT_MAX_ELEMENTS = 128 * 2**20
 tl: Any = None
 
 
-def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr,
-                       norm_w_ptr, res_out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                       stride_rm, k_per_split, eps,
+def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, K,
+                       stride_xm, stride_wn, stride_om, k_per_split,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, L2_PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
                        DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # Grid (output tiles, K splits). With SPLIT_K > 1 each program stores its fp32 partial sum;
     # the last split of a tile to finish (an atomic count per tile, no second kernel) adds them
@@ -54,12 +50,6 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
     # L2 first, one prefetch per 128-byte line. W depends on no earlier kernel, so with PDL this
     # happens while the kernel before (RMSNorm, attention) still runs: the weight stream starts
     # before x exists. Everything else waits for it (fused_ops.pdl_options).
-    # NORM (one K split): x is RMSNorm'd on the way in (after adding the residual stream when
-    # HAS_RESIDUAL; program 0 stores that sum). A row's 1/rms is only known once all of K has
-    # been read, and it scales every product of the row alike, so the loop multiplies by the
-    # norm weight only and the accumulator is scaled at the end: no separate norm kernel.
-    # GATED (one K split): W holds 2N rows, gate then up; the program computes both tiles of
-    # its N outputs and stores silu(gate) * up (Llama's MLP), no separate activation kernel.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -67,10 +57,7 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
     m_mask = offs_m < M
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    up_rows = w_ptr + (offs_n.to(tl.int64) + N)[:, None] * stride_wn  # GATED only
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     if L2_PREFETCH > 0:
@@ -79,39 +66,16 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
         lines = tl.where(line_mask, w_rows + offs_line[None, :], w_ptr)
         tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
                                   [lines], dtype=tl.int32, is_pure=False, pack=1)
-        if GATED:
-            lines = tl.where(line_mask, up_rows + offs_line[None, :], w_ptr)
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
-                                      "=r,l", [lines], dtype=tl.int32, is_pure=False, pack=1)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     for k in range(k_lo, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
-        if NORM:
-            if HAS_RESIDUAL:  # the sum rounded to the input dtype, as HF's add is
-                res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :],
-                              mask=x_mask, other=0.0)
-                x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
-                tl.store(res_out_ptr + offs_m[:, None] * K + offs_k[None, :], x,
-                         mask=x_mask & (pid_n == 0))
-            x_f32 = x.to(tl.float32)
-            sum_sq += tl.sum(x_f32 * x_f32, 1)
-            norm_w = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = (x_f32 * norm_w[None, :]).to(x.dtype)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
-        if GATED:
-            w_up = tl.load(up_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                           other=0.0)
-            acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PREC)
-    if NORM:
-        inv_rms = 1.0 / tl.sqrt(sum_sq / K + eps)
-        acc = acc * inv_rms[:, None]
-        acc_up = acc_up * inv_rms[:, None]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -127,20 +91,10 @@ def _small_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, 
                      acc.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(counters_ptr + pid_n, 0)
     else:
-        out_ty = out_ptr.dtype.element_ty
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc_up += tl.load(bias_ptr + N + offs_n, mask=n_mask,
-                                  other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            # As the unfused path rounds: gate and up to the output dtype, silu(gate) too
-            # (torch's expression), then one rounding of the product.
-            gate = acc.to(out_ty).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
-            acc = act * acc_up.to(out_ty).to(tl.float32)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ty),
-                 mask=out_mask)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 class GemmConfig(NamedTuple):
@@ -180,67 +134,28 @@ def small_gemm_config(n: int, k: int) -> GemmConfig:
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: tuple | None = None, *, silu_and_mul: bool = False) -> torch.Tensor:
+                       config: tuple | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2-D x of at most SMALL_BATCH_MAX_ROWS rows.
-    ``config`` (a GemmConfig, or its fields as a tuple) overrides the tuned tiles.
-    ``silu_and_mul``: weight is a fused [gate; up] projection and the result is
-    ``silu(gate) * up`` (half the width), computed in the same kernel."""
-    return _launch(x, weight, bias, config, silu_and_mul=silu_and_mul)[0]
-
-
-def small_batch_norm_linear(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None = None, config: tuple | None = None, *,
-    silu_and_mul: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(F.linear(rms_norm(h), weight, bias), h)`` with h = x + residual (x alone when
-    ``residual`` is None), in one kernel: the RMSNorm (and residual add) before a projection,
-    without a kernel of its own. h is a new tensor when there is a residual (x otherwise).
-    Rounds differently from the separate ops (the norm's 1/rms scales the fp32 accumulator
-    instead of each input before its rounding), within bf16 ulps."""
-    return _launch(x, weight, bias, config, norm=(norm_weight, eps), residual=residual,
-                   silu_and_mul=silu_and_mul)
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            config: tuple | None, *, norm: tuple[torch.Tensor, float] | None = None,
-            residual: torch.Tensor | None = None,
-            silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel launch behind both entry points; returns (out, residual stream)."""
+    ``config`` (a GemmConfig, or its fields as a tuple) overrides the tuned tiles."""
     m, k = x.shape
-    n = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
+    n = weight.shape[0]
     assert m <= SMALL_BATCH_MAX_ROWS and weight.shape[1] == k
-    assert not silu_and_mul or weight.shape[0] == 2 * n
     if x.stride(-1) != 1:
         x = x.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    new_residual = x
-    if residual is not None:
-        assert norm is not None and residual.shape == x.shape
-        if residual.stride(-1) != 1:
-            residual = residual.contiguous()
-        new_residual = torch.empty(m, k, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        if residual is not None:
-            torch.add(x, residual, out=new_residual)
-        return out, new_residual
-    tuned = config is None
-    if tuned:
-        config = small_gemm_config(weight.shape[0], k)
-        if silu_and_mul:  # each program reads gate and up rows: half the outputs per program
-            config = GemmConfig(*config)._replace(block_n=max(16, config[0] // 2))
-    block_n, block_k, split_k, l2_prefetch, num_warps, num_stages = GemmConfig(*config)
-    l2_override = envs.gemv_l2_prefetch() if tuned else None
+        return out
+    block_n, block_k, split_k, l2_prefetch, num_warps, num_stages = GemmConfig(
+        *(config or small_gemm_config(n, k)))
+    l2_override = envs.gemv_l2_prefetch() if config is None else None
     if l2_override is not None:
         l2_prefetch = l2_override
     if not fused_ops.compiled_for_gpu(x):
         l2_prefetch = 0  # an inline PTX instruction: not in the interpreter
     # At least one line, at most K, in whole powers of two of lines (the kernel masks per split).
     l2_prefetch = fused_ops._next_power_of_2(max(min(l2_prefetch, k), 64)) if l2_prefetch else 0
-    if norm is not None or silu_and_mul:
-        split_k = 1  # the norm needs all of a row's K in one program; gating has one epilogue
     # Whole BLOCK_K steps per split, and no split left empty.
     k_per_split = fused_ops._cdiv(fused_ops._cdiv(k, split_k), block_k) * block_k
     split_k = fused_ops._cdiv(k, k_per_split)
@@ -250,21 +165,17 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         counters = fused_ops.merge_counters(n_tiles, x.device)
     else:
         partials = counters = out  # unused by the kernel
-    norm_weight, eps = norm if norm is not None else (weight, 0.0)
     from ember.attention_backends.triton_ops.common import dot_precision
 
     fused_ops._jit(_small_gemm_kernel)[(n_tiles, split_k)](
-        x, weight, bias if bias is not None else weight, out, partials, counters,
-        residual if residual is not None else x, norm_weight, new_residual, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
-        residual.stride(0) if residual is not None else 0, k_per_split, eps,
+        x, weight, bias if bias is not None else weight, out, partials, counters, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=SMALL_BATCH_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        L2_PREFETCH=l2_prefetch, HAS_BIAS=bias is not None, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, GATED=silu_and_mul,
+        L2_PREFETCH=l2_prefetch, HAS_BIAS=bias is not None,
         DOT_PREC=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
         **fused_ops.pdl_options(x),
     )
-    return out, new_residual
+    return out
 
 
 def small_batch_gemv_enabled(x: torch.Tensor) -> bool:
@@ -290,31 +201,7 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.small_batch_max_rows = small_batch_max_rows(self.in_features, self.out_features)
 
-    def takes_small_batch_kernel(self, x: torch.Tensor) -> bool:
-        return x.shape[0] <= self.small_batch_max_rows and small_batch_gemv_enabled(x)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.takes_small_batch_kernel(x):
+        if x.shape[0] <= self.small_batch_max_rows and small_batch_gemv_enabled(x):
             return small_batch_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-
-def norm_then_linear(norm: RMSNorm, proj: nn.Module, x: torch.Tensor,
-                     residual: torch.Tensor | None,
-                     act: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(act(proj(norm(h))), h)`` with h = x + residual (x when ``residual`` is None): the
-    RMSNorm that opens a decoder block, the block's first projection and, for an MLP, its
-    gated activation. Where ``proj`` is a Linear taking the small-batch kernel, that one
-    kernel does all three (at batch 1 the norm's and the activation's own launches are 3 of a
-    layer's 10 kernels); otherwise the modules run in turn (a quantized projection, large
-    batches, the CPU), with the arithmetic of each module."""
-    fusable_act = act is None or isinstance(act, SiluAndMul)
-    if isinstance(proj, Linear) and fusable_act and proj.takes_small_batch_kernel(x):
-        return small_batch_norm_linear(x, residual, norm.weight, norm.eps, proj.weight,
-                                       proj.bias, silu_and_mul=act is not None)
-    if residual is None:
-        h, normed = x, norm(x)
-    else:
-        normed, h = norm.forward_with_residual(x, residual)
-    out = proj(normed)
-    return (out if act is None else act(out)), h

@@ -18,7 +18,7 @@ from torch import nn
 from ember.attention_backends.base import AttentionBackend
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import Attention, ForwardContext
-from ember.layers.linear import Linear, norm_then_linear
+from ember.layers.linear import Linear
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding
 
@@ -87,13 +87,8 @@ class DecoderAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor,
                 sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
-        return self.attend(self.qkv_proj(x), rope, cos, sin, ctx)
-
-    def attend(self, qkv: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor,
-               sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
-        """The block after its qkv projection: q/k norm, rope, attention, o_proj."""
-        t = qkv.shape[0]
-        q, k, v = qkv.split(self.shard_sizes(), dim=-1)
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
         q = q.view(t, self.num_heads, self.head_size)
         k = k.view(t, self.num_kv_heads, self.head_size)
         if self.qk_norm:
@@ -139,16 +134,16 @@ class DecoderLayer(nn.Module):
         """h: the previous layer's MLP output (the embeddings for the first layer, whose
         ``residual`` is None). Returns this layer's MLP output and the residual stream it is
         still to be added to: the next norm does that add (as vLLM does), so that on CUDA the
-        add and the norm are one fused kernel (at small batches with the projection after
-        them, see ``norm_then_linear``). Without the fused kernels the arithmetic is
+        add and the norm are one fused kernel. Without the fused kernels the arithmetic is
         HF's, op for op (branch + residual, then norm), so float32 results agree exactly."""
-        attn, mlp = self.self_attn, self.mlp
-        # Each norm runs with the projection after it (one kernel at small batches on CUDA).
-        qkv, residual = norm_then_linear(self.input_layernorm, attn.qkv_proj, h, residual)
-        h = attn.attend(qkv, rope, cos, sin, ctx)
-        act, residual = norm_then_linear(self.post_attention_layernorm, mlp.gate_up_proj, h,
-                                         residual, mlp.act)
-        return mlp.down_proj(act), residual
+        if residual is None:
+            residual = h
+            x = self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.forward_with_residual(h, residual)
+        h = self.self_attn(x, rope, cos, sin, ctx)
+        x, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
