@@ -1,18 +1,15 @@
 """Paged decode attention (one query token per request) with split-KV (flash-decoding).
 
-One kernel runs one program per (request, kv head, split): it loads the query rows of every
-query head in the kv group at once (GQA: each K/V tile is read from HBM once for the whole group),
+Kernel 1 runs one program per (request, kv head, split): it loads the query rows of every query
+head in the kv group at once (GQA: each K/V tile is read from HBM once for the whole group),
 walks its share of the context in BLOCK_N-token tiles gathered through ``block_table``, and keeps
 an online softmax in fp32. With one split it writes the output directly (the fast path when the
 batch alone fills the GPU); otherwise it writes a normalised partial output and its log-sum-exp,
-and the last split of a (request, kv head) to finish merges the splits of the group's heads into
-the output: an atomic count per (request, kv head) in ``fused_ops.merge_counters`` instead of a
-second reduce kernel, whose launch per layer is a visible share of a batch-1 decode step.
+and kernel 2 merges the splits of each (request, head).
 
-The grid depends only on the batch size and the split count, the counters have a fixed address,
-and empty splits or requests with ``seq_len == 0`` (padding in CUDA-graph batches) are handled
-in the kernel, so launches are graph-safe. Tuning knobs live in ``DECODE_CONFIGS``
-(benchmarks/attention_kernels.py sweeps them).
+The grid depends only on the batch size and the split count, and empty splits or requests with
+``seq_len == 0`` (padding in CUDA-graph batches) are handled in the kernels, so launches are
+graph-safe. Tuning knobs live in ``DECODE_CONFIGS`` (benchmarks/attention_kernels.py sweeps them).
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from ember.attention_backends.triton_ops.common import (
     num_sms,
     scaled_scores,
 )
-from ember.layers.fused_ops import merge_counters, pdl_options
+from ember.layers.fused_ops import pdl_options
 
 
 @dataclass(frozen=True)
@@ -45,13 +42,13 @@ class DecodeConfig:
     # programs 3.47 TB/s, 768 programs 4.05 TB/s).
     direct_programs_per_sm: int = 4
     programs_per_sm: int = 3
-    # Splits shorter than this are not worth their share of the merge. At batch 1 a single
+    # Splits shorter than this are not worth their share of the reduce. At batch 1 a single
     # program per kv head walks its tiles one dependent load after another (Llama-8B shape,
     # 640 keys: 21 us unsplit, 7.2 us over 16 splits of 64 keys), so the floor is one tile.
     min_split_tokens: int = 64
     max_splits: int = 64
     # With unknown lengths (a captured CUDA graph replays whatever lengths come), at most this
-    # many: every split that a short context leaves empty still launches and enters the merge
+    # many: every split that a short context leaves empty still launches and enters the reduce
     # (H200, batch 1, 128-1024 keys: 16 splits 5.2-7.7 us per layer, 49-64 splits 5.3-8.2).
     graph_max_splits: int = 16
 
@@ -126,13 +123,13 @@ def choose_num_splits(
     else:
         max_splits = min(config.max_splits, triton.cdiv(max_seq_len, config.min_split_tokens))
     split_wave = sms * config.programs_per_sm
-    # At most four waves: more only adds merge work and shorter, less efficient programs.
+    # At most four waves: more only adds reduce work and shorter, less efficient programs.
     max_splits = min(max_splits, 4 * split_wave // base)
     best, best_eff = 1, _wave_efficiency(base, direct_wave)
     for splits in range(2, max_splits + 1):
         eff = _wave_efficiency(base * splits, split_wave)
         # Near-ties go to fewer splits: longer programs amortise their pipeline start, and the
-        # merge has less to do (2 x 64k: 384 programs 3.76 TB/s beat 784 at 2.86).
+        # reduce has less to merge (2 x 64k: 384 programs 3.76 TB/s beat 784 at 2.86).
         if eff > best_eff + 0.05:
             best, best_eff = splits, eff
     return best
@@ -159,7 +156,6 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counters_ptr,
     k_new_ptr,
     v_new_ptr,
     slot_ptr,
@@ -183,7 +179,6 @@ def _decode_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
@@ -284,36 +279,53 @@ def _decode_kernel(
         keep = g_mask & (lo < hi)
         tl.store(p_ptrs, o, mask=keep[:, None])
         tl.store(part_lse_ptr + row, m_i + tl.log2(safe_l), mask=keep)
-        # Every split counts, empty ones too, so the count always reaches num_splits. The
-        # acq_rel add publishes this program's partials and, for the last one, makes every other
-        # split's visible; that one merges and resets the count for the next launch.
-        counter = counters_ptr + req * (NUM_HEADS // GROUP) + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            # Only splits that saw keys wrote anything; the rest of the workspace is stale memory.
-            n_valid = tl.cdiv(tl.maximum(seq_len - start, 0), per_split)
-            offs_s = tl.arange(0, SPLITS_PAD)
-            s_mask = offs_s < n_valid
-            for g in tl.static_range(GROUP):
-                head = kvh * GROUP + g
-                rows = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s
-                # .cg: other programs wrote these, so read them from L2, not a stale L1 line.
-                lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"),
-                              cache_modifier=".cg")
-                m = tl.max(lse, 0)
-                m = tl.where(m == float("-inf"), 0.0, m)  # seq_len == 0 (graph padding): zeros
-                w = tl.where(s_mask, tl.exp2(lse - m), 0.0)
-                parts = tl.load(part_out_ptr + rows[:, None] * HEAD_PAD + offs_d[None, :],
-                                mask=s_mask[:, None], other=0.0, cache_modifier=".cg")
-                total = tl.sum(w, 0)
-                merged = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-                out_ptrs = out_ptr + req.to(tl.int64) * stride_ot + head * stride_oh + offs_d
-                tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
-            tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    window,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # see ember.layers.fused_ops.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    start, per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
+    # Only splits that saw keys wrote anything; the rest of the workspace is stale memory.
+    n_valid = tl.cdiv(tl.maximum(seq_len - start, 0), per_split)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    s_mask = offs_s < n_valid
+    row = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len == 0 (graph padding): output zeros
+    w = tl.where(s_mask, tl.exp2(lse - m), 0.0)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :],
+                    mask=s_mask[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
 
 
 def decode_workspace_numel(batch: int, num_heads: int, head_size: int, num_splits: int) -> int:
-    """fp32 elements of split workspace: partial outputs plus one log-sum-exp per split (the
-    merge counters are ``fused_ops.merge_counters``, shared, not part of it)."""
+    """fp32 elements of split workspace: partial outputs plus one log-sum-exp per split."""
     return batch * num_heads * num_splits * (head_pad(head_size) + 1)
 
 
@@ -364,15 +376,26 @@ def paged_decode_attention(
     sliding = sliding_window is not None and sliding_window > 0
     direct = num_splits == 1
     if direct:
-        part_out = part_lse = counters = out  # unused by the kernel
+        part_out = part_lse = out  # unused by the kernel
     else:
-        counters = merge_counters(batch * num_kv_heads, q.device)
         n_part = batch * num_heads * num_splits
         need = n_part * (hpad + 1)
         if workspace is None or workspace.numel() < need:
             workspace = torch.empty(need, dtype=torch.float32, device=q.device)
         part_out = workspace[: n_part * hpad]
         part_lse = workspace[n_part * hpad : need]
+    common = dict(
+        window=sliding_window if sliding else 0,
+        num_splits=num_splits,
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=hpad,
+        BLOCK_N=cfg.block_n,
+        SLIDING=sliding,
+        **pdl_options(q),
+    )
     if new_kv is not None:
         k_new, v_new, slots = new_kv
         assert k_new.stride(-1) == 1 and k_new.stride(-2) == head_size
@@ -387,14 +410,11 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
-        counters,
         k_new,
         v_new,
         slots,
         scale=scale,
         softcap=logits_soft_cap or 0.0,
-        window=sliding_window if sliding else 0,
-        num_splits=num_splits,
         stride_qt=q.stride(0),
         stride_qh=q.stride(1),
         stride_ckv=kv_cache.stride(0),
@@ -402,25 +422,27 @@ def paged_decode_attention(
         stride_ct=kv_cache.stride(2),
         stride_ch=kv_cache.stride(3),
         stride_bt=block_table.stride(0),
-        stride_ot=out.stride(0),
-        stride_oh=out.stride(1),
         stride_knt=k_new.stride(0),
         stride_vnt=v_new.stride(0),
         STORE_NEW=new_kv is not None,
-        NUM_HEADS=num_heads,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_SIZE=head_size,
-        HEAD_PAD=hpad,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
         BLOCK_SIZE=block_size,
-        BLOCK_N=cfg.block_n,
-        SLIDING=sliding,
         SOFTCAP=bool(logits_soft_cap),
         DIRECT=direct,
         DOT_PREC=dot_precision(kv_cache.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl_options(q),
+        **common,
     )
+    if not direct:
+        _reduce_kernel[(batch, num_heads)](
+            part_out,
+            part_lse,
+            seq_lens,
+            out,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4 if hpad >= 128 else 2,
+            **common,
+        )
     return out
