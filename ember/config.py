@@ -169,3 +169,44 @@ def resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig) ->
             f"max_model_len={requested} exceeds the model's max_position_embeddings={derived}"
         )
     return requested
+
+
+def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
+    """The one place an EngineArgs becomes a ModelConfig (the front end and the engine core both
+    call it: it reads config.json or GGUF metadata, never the weights)."""
+    from ember.registry import ModelRegistry
+
+    path = resolve_model_path(args.model)
+    hf_config, is_gguf = load_hf_config(path, args.trust_remote_code)
+    for key, value in args.hf_overrides.items():
+        setattr(hf_config, key, value)
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    arch = next((a for a in archs if a in ModelRegistry), None)
+    if arch is None:
+        raise ValueError(
+            f"model architecture {archs or '(none given in config)'} is not supported; "
+            f"known architectures: {', '.join(ModelRegistry.names())}"
+        )
+    if args.load_format == "gguf" and not is_gguf:
+        raise ValueError(f"load_format='gguf' but {path!r} is not a .gguf file")
+    return ModelConfig(
+        path=path,
+        hf_config=hf_config,
+        architecture=arch,
+        dtype=resolve_dtype(args.dtype, hf_config, platform),
+        max_model_len=resolve_max_model_len(args.max_model_len, hf_config),
+        load_format=args.load_format,
+        is_gguf=is_gguf,
+        tokenizer=args.tokenizer,
+        # "gguf" means the file's own quantization, already dequantized by the loader.
+        quantization=None if args.quantization == "gguf" else args.quantization,
+    )
+
+
+def load_engine_tokenizer(args: EngineArgs, cfg: ModelConfig):
+    """The tokenizer the front end uses (None with skip_tokenizer_init)."""
+    if args.skip_tokenizer_init:
+        return None
+    from ember.tokenizer import load_tokenizer
+
+    return load_tokenizer(cfg.tokenizer or cfg.path, trust_remote_code=args.trust_remote_code)

@@ -30,7 +30,9 @@ class LLMEngine:
         self.executor = UniProcExecutor(args)
         self.model_config = self.executor.model_config
         self.max_model_len = self.model_config.max_model_len
-        self.tokenizer = self.executor.tokenizer
+        from ember.config import load_engine_tokenizer
+
+        self.tokenizer = load_engine_tokenizer(args, self.model_config)
         self.eos_token_ids = self._eos_token_ids()
         num_blocks = self.executor.num_blocks
         if num_blocks * args.block_size < self.max_model_len:

@@ -1,62 +1,17 @@
-"""UniProcExecutor: resolves platform, model, tokenizer and attention backend, and runs the model
+"""UniProcExecutor: resolves platform, model and attention backend, and runs the model
 runner in this process. The KV cache is sized here from the memory budget."""
 
 from __future__ import annotations
 
 import logging
 
-from ember.config import (
-    EngineArgs,
-    ModelConfig,
-    load_hf_config,
-    resolve_dtype,
-    resolve_max_model_len,
-    resolve_model_path,
-)
+from ember.config import EngineArgs, resolve_model_config
 from ember.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("ember")
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 MAX_GRAPH_BATCH_SIZE = 512
-
-
-def build_model_config(args: EngineArgs, platform) -> ModelConfig:
-    from ember.registry import ModelRegistry
-
-    path = resolve_model_path(args.model)
-    hf_config, is_gguf = load_hf_config(path, args.trust_remote_code)
-    for key, value in args.hf_overrides.items():
-        setattr(hf_config, key, value)
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    arch = next((a for a in archs if a in ModelRegistry), None)
-    if arch is None:
-        raise ValueError(
-            f"model architecture {archs or '(none given in config)'} is not supported; "
-            f"known architectures: {', '.join(ModelRegistry.names())}"
-        )
-    if args.load_format == "gguf" and not is_gguf:
-        raise ValueError(f"load_format='gguf' but {path!r} is not a .gguf file")
-    return ModelConfig(
-        path=path,
-        hf_config=hf_config,
-        architecture=arch,
-        dtype=resolve_dtype(args.dtype, hf_config, platform),
-        max_model_len=resolve_max_model_len(args.max_model_len, hf_config),
-        load_format=args.load_format,
-        is_gguf=is_gguf,
-        tokenizer=args.tokenizer,
-        # "gguf" means the file's own quantization, already dequantized by the loader.
-        quantization=None if args.quantization == "gguf" else args.quantization,
-    )
-
-
-def load_engine_tokenizer(args: EngineArgs, cfg: ModelConfig):
-    if args.skip_tokenizer_init:
-        return None
-    from ember.tokenizer import load_tokenizer
-
-    return load_tokenizer(cfg.tokenizer or cfg.path, trust_remote_code=args.trust_remote_code)
 
 
 class UniProcExecutor:
@@ -71,7 +26,7 @@ class UniProcExecutor:
         load_plugins()
         self.platform = resolve_platform(args.device)
         self.platform.seed_everything(args.seed)
-        self.model_config = build_model_config(args, self.platform)
+        self.model_config = resolve_model_config(args, self.platform)
         hf = self.model_config.hf_config
         head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.attn_backend = select_attention_backend(
@@ -81,7 +36,6 @@ class UniProcExecutor:
             sliding_window=bool(getattr(hf, "sliding_window", None)),
             override=args.attention_backend,
         )
-        self.tokenizer = load_engine_tokenizer(args, self.model_config)
         self.runner = ModelRunner(
             self.model_config,
             self.attn_backend,
