@@ -23,6 +23,10 @@ class Platform:
     supported_dtypes: ClassVar[list[str]] = ["float32"]
     default_dtype: ClassVar[str] = "float32"
     supports_cuda_graphs: ClassVar[bool] = False
+    # Whether the engine overlaps scheduling step N+1 with step N's device work by default. Worth
+    # it only where the device runs asynchronously from the host (a GPU); on the CPU the forward
+    # pass runs on the calling thread, so there is nothing to overlap.
+    async_scheduling_default: ClassVar[bool] = False
 
     device_index: int | None = None  # set from device="cuda:1"; None = the current device
 

@@ -59,6 +59,7 @@ class CudaPlatform(Platform):
     preferred_attention_backends: ClassVar[list[str]] = ["triton", "flashinfer", "sdpa"]
     supported_dtypes: ClassVar[list[str]] = ["bfloat16", "float16", "float32"]
     default_dtype: ClassVar[str] = "bfloat16"
+    async_scheduling_default: ClassVar[bool] = True
     supports_cuda_graphs: ClassVar[bool] = True
 
     @classmethod

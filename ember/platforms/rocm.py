@@ -32,6 +32,7 @@ class RocmPlatform(Platform):
     preferred_attention_backends: ClassVar[list[str]] = ["triton", "sdpa"]
     supported_dtypes: ClassVar[list[str]] = ["bfloat16", "float16", "float32"]
     default_dtype: ClassVar[str] = "bfloat16"
+    async_scheduling_default: ClassVar[bool] = True
 
     @classmethod
     def is_available(cls) -> bool:
