@@ -1,11 +1,46 @@
-"""The Platform interface: what the engine asks of a device family (cpu, cuda, or a plugin's)."""
+"""The Platform interface: what the engine asks of a device family (cpu, cuda, or a plugin's).
+
+It is the one place that knows the device. The worker and executor ask it to synchronize, to
+measure peak memory, to record events, to allocate host staging buffers and copy results home,
+and to capture graphs; they never name a device API themselves. Every member has a default that
+is right for a plain CPU-like device (work runs on the calling thread, memory is host memory), so
+an out-of-tree platform overrides only what its device does differently.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
+
+
+class DeviceEvent(Protocol):
+    """A point in the device's work queue; `synchronize()` blocks until the device passes it."""
+
+    def synchronize(self) -> None: ...
+
+
+class Graph(Protocol):
+    """A captured device graph: `replay()` reruns the captured work on the captured buffers."""
+
+    def replay(self) -> None: ...
+
+
+class SynchronizingEvent:
+    """The default DeviceEvent: waiting on it waits for all the platform's work (a no-op on a
+    device that runs on the calling thread). Correct for any device, if coarse."""
+
+    __slots__ = ("platform",)
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+
+    def synchronize(self) -> None:
+        self.platform.synchronize()
 
 
 class Platform:
@@ -22,6 +57,8 @@ class Platform:
     preferred_attention_backends: ClassVar[list[str]] = ["sdpa"]
     supported_dtypes: ClassVar[list[str]] = ["float32"]
     default_dtype: ClassVar[str] = "float32"
+    # Whether decode steps may be captured as graphs (capture_graph below). The engine captures
+    # only when the attention backend is graph-safe too and enforce_eager is off.
     supports_cuda_graphs: ClassVar[bool] = False
     # Whether the engine overlaps scheduling step N+1 with step N's device work by default. Worth
     # it only where the device runs asynchronously from the host (a GPU); on the CPU the forward
@@ -53,12 +90,59 @@ class Platform:
 
         return torch.device(self.device_type, self.device_index)
 
+    def device_is_host(self) -> bool:
+        """Whether device tensors live in host memory, so host arrays can be used in place
+        instead of being staged and copied."""
+        return self.device_type == "cpu"
+
+    # ---- memory --------------------------------------------------------------------------
     def kv_cache_memory_bytes(self, gpu_memory_utilization: float) -> int:
-        """Bytes the KV cache may take when the user gives no explicit budget."""
+        """Bytes the KV cache may take when the user gives no explicit budget.
+
+        `gpu_memory_utilization` (0 < u <= 1, EngineArgs) is the share of the device's total
+        memory the engine may use in all: weights, activations and KV cache. Called after the
+        weights are loaded; the engine subtracts the peak activation memory measured by
+        `profile_peak_memory`. A platform whose memory is not the device's (the CPU) may ignore it.
+        """
         raise NotImplementedError
 
+    def profile_peak_memory(self, run: Callable[[], None]) -> int:
+        """Run `run` (the largest step the engine will take) and return the peak bytes of device
+        memory it allocated beyond what was in use before. The default returns 0 without running
+        it: a platform whose KV budget does not depend on activation memory need not pay for it."""
+        return 0
+
+    # ---- ordering and transfers --------------------------------------------------------
     def synchronize(self) -> None:
+        """Block until all work queued on the device is done (a no-op for a synchronous one)."""
         return None
+
+    def record_event(self) -> DeviceEvent:
+        """Mark the current point of the device's work queue (after the work queued so far)."""
+        return SynchronizingEvent(self)
+
+    def empty_host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D host tensor for staging copies to the device (page-locked where that makes the
+        copies asynchronous). The default is ordinary host memory."""
+        import torch
+
+        return torch.empty(numel, dtype=dtype)
+
+    def copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Start copying a device tensor to the host without waiting. The result may be read once
+        an event recorded after this call has been synchronized. The default copies at once (and
+        returns a host tensor as it is)."""
+        return tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+
+    # ---- graphs (only called when supports_cuda_graphs) ------------------------------------
+    def graph_memory_pool(self) -> Any:
+        """A memory pool that graphs captured one after another share."""
+        raise NotImplementedError(f"platform {self.name!r} does not capture graphs")
+
+    def capture_graph(self, run: Callable[[], T], pool: Any) -> tuple[Graph, T]:
+        """Capture the device work of `run()` into a graph using `pool`; returns the graph and
+        run's result (tensors that each replay overwrites)."""
+        raise NotImplementedError(f"platform {self.name!r} does not capture graphs")
 
     def seed_everything(self, seed: int) -> None:
         import torch

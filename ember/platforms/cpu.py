@@ -1,4 +1,8 @@
-"""The CPU platform: float32 by default, the SDPA backend, KV cache sized from free RAM."""
+"""The CPU platform: float32 by default, the SDPA backend, KV cache sized from free RAM.
+
+Its device operations are the Platform defaults: work runs on the calling thread and tensors live
+in host memory, so there is nothing to wait for, pin, copy or capture.
+"""
 
 from __future__ import annotations
 

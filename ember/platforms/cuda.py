@@ -1,4 +1,6 @@
-"""The CUDA platform: bfloat16 by default, FlashInfer/Triton/SDPA, KV cache from free GPU memory.
+"""The CUDA platform: bfloat16 by default, Triton/FlashInfer/SDPA, KV cache from free GPU memory,
+and the CUDA side of every device operation the engine needs (events, pinned copies, graphs,
+memory profiling).
 
 The probe avoids initialising CUDA (and importing torch): it looks for NVIDIA device files and a
 CUDA build of torch in the installed metadata. When torch is already imported it asks torch.
@@ -9,9 +11,15 @@ from __future__ import annotations
 import glob
 import os
 import sys
-from typing import ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from ember.platforms.base import Platform
+from ember.platforms.base import DeviceEvent, Graph, Platform
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
 
 
 def nvidia_device_present() -> bool:
@@ -55,7 +63,14 @@ def cuda_probe() -> tuple[bool, str]:
 class CudaPlatform(Platform):
     name: ClassVar[str] = "cuda"
     device_type: ClassVar[str] = "cuda"
-    # Provisional order; the lead settles it from GPU measurements (docs/benchmarks.md).
+    # Settled from the measurements in docs/benchmarks.md (decode attention kernels, H200):
+    # - triton first: its decode kernel reads the KV cache at 97.5% of the copy rate (4.17 TB/s at
+    #   64 x 4096) and it is the one built-in backend that is graph-safe, and batch-1 decode
+    #   lives on graph replay;
+    # - flashinfer second: as fast with tensor cores (4.10 TB/s) but not graph-safe here, and it
+    #   needs an optional package; without this list its registry priority (20) would put it
+    #   ahead of triton (10);
+    # - sdpa last: the reference, which runs everything but gathers the paged KV on every step.
     preferred_attention_backends: ClassVar[list[str]] = ["triton", "flashinfer", "sdpa"]
     supported_dtypes: ClassVar[list[str]] = ["bfloat16", "float16", "float32"]
     default_dtype: ClassVar[str] = "bfloat16"
@@ -78,8 +93,8 @@ class CudaPlatform(Platform):
     def kv_cache_memory_bytes(self, gpu_memory_utilization: float) -> int:
         """The share `gpu_memory_utilization` of total memory, minus what is already in use.
 
-        Called after the weights are loaded, so "in use" covers them (and other processes).
-        Activation peaks are not profiled yet: the utilization default (0.9) leaves room for them.
+        Called after the weights are loaded, so "in use" covers them (and other processes); the
+        engine then subtracts the activation peak measured by profile_peak_memory.
         """
         import torch
 
@@ -95,10 +110,55 @@ class CudaPlatform(Platform):
             )
         return budget
 
+    def profile_peak_memory(self, run: Callable[[], None]) -> int:
+        import torch
+
+        device = self.device()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        run()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        torch.cuda.empty_cache()  # the profile's activations go back, for the KV cache to take
+        return peak
+
     def synchronize(self) -> None:
         import torch
 
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.device())
+
+    def record_event(self) -> DeviceEvent:
+        import torch
+
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def empty_host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        # Pinned: only copies from page-locked memory run asynchronously to the host.
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu":
+            return tensor
+        host = self.empty_host_buffer(tensor.numel(), tensor.dtype).view(tensor.shape)
+        return host.copy_(tensor, non_blocking=True)
+
+    def graph_memory_pool(self) -> Any:
+        import torch
+
+        return torch.cuda.graph_pool_handle()
+
+    def capture_graph(self, run: Callable[[], T], pool: Any) -> tuple[Graph, T]:
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            result = run()
+        return graph, result
 
     def seed_everything(self, seed: int) -> None:
         import torch

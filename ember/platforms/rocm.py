@@ -1,7 +1,9 @@
 """ROCm detection: an AMD GPU is recognised, and reported as not supported yet.
 
 Registered so that `device="rocm"` fails with a clear reason, and so that falling back to the CPU
-on a machine with an AMD GPU is a logged warning rather than a silent choice.
+on a machine with an AMD GPU is a logged warning rather than a silent choice. Its device operations
+are CUDA's (torch exposes HIP through the same `torch.cuda` API); graph capture stays off until
+it is tested on AMD hardware.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import os
 import sys
 from typing import ClassVar
 
-from ember.platforms.base import Platform
+from ember.platforms.cuda import CudaPlatform
 
 
 def rocm_detected() -> bool:
@@ -26,13 +28,14 @@ def rocm_probe() -> tuple[bool, str]:
     return False, "no AMD GPU found (no /dev/kfd)"
 
 
-class RocmPlatform(Platform):
+class RocmPlatform(CudaPlatform):
     name: ClassVar[str] = "rocm"
     device_type: ClassVar[str] = "cuda"  # torch exposes HIP devices as "cuda"
     preferred_attention_backends: ClassVar[list[str]] = ["triton", "sdpa"]
     supported_dtypes: ClassVar[list[str]] = ["bfloat16", "float16", "float32"]
     default_dtype: ClassVar[str] = "bfloat16"
     async_scheduling_default: ClassVar[bool] = True
+    supports_cuda_graphs: ClassVar[bool] = False
 
     @classmethod
     def is_available(cls) -> bool:
