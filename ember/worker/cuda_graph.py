@@ -1,21 +1,28 @@
-"""CudaGraphRunner: decode steps replayed from CUDA graphs captured per padded batch size.
+"""CudaGraphRunner: decode steps replayed from device graphs captured per padded batch size.
 
 A pure-decode step (every request has one new token) with at most `max_batch_size` requests is
 padded up to the next captured size; its inputs are copied into persistent device buffers that
 the graph reads, and the graph replays the whole model forward in one launch. Padded rows write
-no KV (slot -1) and attend to nothing (seq_len 0). Any attention backend that declares
-`supports_cuda_graphs` works: its prepare_graph_capture hook sizes its persistent workspaces.
+no KV (slot -1) and attend to nothing (seq_len 0). Capture and replay go through the platform
+(graph_memory_pool, capture_graph, synchronize), which captures only when it declares
+`supports_cuda_graphs`. Any attention backend that declares `supports_cuda_graphs` works: its
+prepare_graph_capture hook sizes its persistent workspaces before capture, and its
+prepare_for_replay hook sees each replayed step's metadata before the graph runs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from ember.attention_backends.base import AttentionMetadata
+from ember.attention_backends.base import AttentionBackend, AttentionMetadata
 from ember.worker.input_batch import FlatBatch
+
+if TYPE_CHECKING:
+    from ember.platforms.base import Graph
 
 logger = logging.getLogger("ember")
 
@@ -28,9 +35,15 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return sizes
 
 
+def _overrides_replay_hook(backend: type[AttentionBackend]) -> bool:
+    hook = getattr(backend.prepare_for_replay, "__func__", None)
+    return hook is not AttentionBackend.prepare_for_replay.__func__  # type: ignore[attr-defined]
+
+
 class CudaGraphRunner:
     def __init__(self, runner, max_batch_size: int, max_blocks_per_req: int) -> None:
         self.runner = runner
+        self.platform = runner.platform
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1]
         device = runner.device
@@ -45,13 +58,16 @@ class CudaGraphRunner:
         self.seq_lens = zeros(n, dtype=torch.int32)
         self.block_table = zeros(n, max_blocks_per_req, dtype=torch.int32)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, Graph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
+        # The base hook does nothing: skip building a replay's metadata for backends that keep it.
+        self.calls_replay_hook = _overrides_replay_hook(runner.attn_backend)
 
-    def _metadata(self, bs: int, max_seq_len: int) -> AttentionMetadata:
+    def _metadata(self, bs: int, max_seq_len: int, seq_lens_cpu: list[int],
+                  num_actual_tokens: int) -> AttentionMetadata:
         return AttentionMetadata(
-            num_actual_tokens=bs,
+            num_actual_tokens=num_actual_tokens,
             slot_mapping=self.slot_mapping[:bs],
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
@@ -59,7 +75,7 @@ class CudaGraphRunner:
             max_query_len=1,
             max_seq_len=max_seq_len,
             query_start_loc_cpu=list(range(bs + 1)),
-            seq_lens_cpu=[1] * bs,
+            seq_lens_cpu=seq_lens_cpu,
             num_decode_tokens=bs,
         )
 
@@ -67,24 +83,23 @@ class CudaGraphRunner:
     def capture(self) -> None:
         from ember.layers.attention import ForwardContext
 
-        runner = self.runner
+        runner, platform = self.runner, self.platform
         backend = runner.attn_backend
         backend.prepare_graph_capture(self.max_batch_size, self.block_table.shape[1], runner.device)
         max_len = runner.model_config.max_model_len
         start = time.perf_counter()
         self.seq_lens.fill_(1)  # capture-time values: every row reads one (junk) key
-        pool = torch.cuda.graph_pool_handle()
+        pool = platform.graph_memory_pool()
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            ctx = ForwardContext(attn_metadata=self._metadata(bs, max_len),
-                                 kv_caches=runner.kv_caches)
+            metadata = self._metadata(bs, max_len, [1] * bs, bs)
+            ctx = ForwardContext(attn_metadata=metadata, kv_caches=runner.kv_caches)
             args = (self.input_ids[:bs], self.positions[:bs], ctx)
             runner.model(*args)  # warm-up: compiles kernels, fills lazy caches
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = runner.model(*args)
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
+            platform.synchronize()
+            self.graphs[bs], self.outputs[bs] = platform.capture_graph(
+                lambda args=args: runner.model(*args), pool
+            )
+        platform.synchronize()
         self.seq_lens.zero_()
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs (batch 1..%d) in %.1f s", len(self.sizes),
@@ -115,5 +130,10 @@ class CudaGraphRunner:
         if bs > n:  # padding rows: no KV write, no keys to read
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(0)
+        if self.calls_replay_hook:
+            seq_lens = batch.seq_lens.tolist() + [0] * (bs - n)
+            self.runner.attn_backend.prepare_for_replay(
+                self._metadata(bs, int(batch.seq_lens.max()), seq_lens, n)
+            )
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

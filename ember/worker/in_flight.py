@@ -1,14 +1,16 @@
 """InFlightStep: a launched step whose sampled tokens are still on (or coming from) the device.
 
-The model runner launches a step and returns at once; the sampled ids (and logprobs) are copied
-to pinned host memory without blocking and an event marks when they land. `resolve()` waits for
-that event (the step's one device-to-host sync), writes the tokens over the placeholders the
-runner put in its request states, and builds the ModelRunnerOutput. It is idempotent: the engine
-resolves a step after launching the next one, and the runner may resolve it earlier when the next
-step's sampling needs the tokens on the host (penalties).
+The model runner launches a step and returns at once; the platform starts copying the sampled ids
+(and logprobs) to host memory without blocking, and an event it records marks when they land.
+`resolve()` waits for that event (the step's one device-to-host sync), writes the tokens over the
+placeholders the runner put in its request states, and builds the ModelRunnerOutput. It is
+idempotent: the engine resolves a step after launching the next one, and the runner may resolve it
+earlier when the next step's sampling needs the tokens on the host (penalties).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,22 +18,19 @@ from ember.core.scheduler_output import ModelRunnerOutput
 from ember.layers.sampler import LogprobsTensors
 from ember.worker.input_batch import PLACEHOLDER, CachedRequestState
 
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.device.type != "cuda":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
+if TYPE_CHECKING:
+    from ember.platforms.base import DeviceEvent, Platform
 
 
 class InFlightStep:
-    def __init__(self) -> None:
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
         self.sampled: torch.Tensor | None = None  # [rows] on the device, read by the next step
         self.result = ModelRunnerOutput()  # filled as it goes
         self._rows: list[tuple[CachedRequestState, int]] = []  # state, index of its placeholder
         self._host_sampled: torch.Tensor | None = None
         self._host_logprobs: tuple[torch.Tensor, ...] | None = None
-        self._ready: torch.cuda.Event | None = None
+        self._ready: DeviceEvent | None = None
         self._resolved = False
 
     def attach_samples(
@@ -42,15 +41,14 @@ class InFlightStep:
     ) -> None:
         """Start the copies home and leave a placeholder in each sampling request's outputs."""
         self.sampled = sampled
-        self._host_sampled = _to_host(sampled)
+        to_host = self.platform.copy_to_host
+        self._host_sampled = to_host(sampled)
         if logprobs is not None:
             self._host_logprobs = tuple(
-                _to_host(t) for t in (logprobs.logprob_token_ids, logprobs.logprobs,
-                                      logprobs.selected_token_ranks)
+                to_host(t) for t in (logprobs.logprob_token_ids, logprobs.logprobs,
+                                     logprobs.selected_token_ranks)
             )
-        if sampled.device.type == "cuda":
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+        self._ready = self.platform.record_event()
         rows = self._rows
         for row, state in enumerate(states):
             output = state.output_token_ids

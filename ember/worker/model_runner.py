@@ -1,8 +1,12 @@
-"""ModelRunner: SchedulerOutput -> flat inputs -> attention metadata -> forward -> sampled tokens."""
+"""ModelRunner: SchedulerOutput -> flat inputs -> attention metadata -> forward -> sampled tokens.
+
+It runs steps on a model it is given; ember.worker.builder builds it (platform, model, weights,
+KV cache size, graphs) and calls its set-up methods once.
+"""
 
 from __future__ import annotations
 
-import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,9 +25,16 @@ from ember.worker.input_batch import (
 )
 from ember.worker.input_stager import InputStager
 
-logger = logging.getLogger("ember")
+if TYPE_CHECKING:
+    from ember.platforms.base import Platform
+    from ember.worker.cuda_graph import CudaGraphRunner
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a resolved ModelConfig.dtype name."""
+    return _DTYPES[name]
 
 
 def _uses_penalties(params) -> bool:
@@ -50,73 +61,43 @@ class ModelRunner:
         self,
         model_config: ModelConfig,
         attn_backend: type[AttentionBackend],
-        device: torch.device,
+        platform: Platform,
+        model: torch.nn.Module,
         block_size: int,
-        show_progress: bool = True,
     ) -> None:
         self.model_config = model_config
         self.attn_backend = attn_backend
-        self.device = device
-        self.dtype = _DTYPES[model_config.dtype]
+        self.platform = platform
+        self.device = platform.device()
+        self.model: torch.nn.Module = model
+        self.dtype = torch_dtype(model_config.dtype)
         self.block_size = block_size
-        self.show_progress = show_progress
         self.states: dict[str, CachedRequestState] = {}
         self.tables = BlockTableRows()
         self.prompt_logprob_reqs: set[str] = set()  # requests that asked for prompt logprobs
         # Requests whose sampling is more than an argmax; while none run, a step skips the check.
         self.special_sampling_reqs: set[str] = set()
         self.kv_caches: list[torch.Tensor] = []
-        self.model: torch.nn.Module | None = None
-        self.graph_runner = None
+        self.graph_runner: CudaGraphRunner | None = None
         self.sampler = Sampler()
-        self.stager = InputStager(device)
+        self.stager = InputStager(platform)
         self.in_flight: InFlightStep | None = None  # the last launched step
 
-    # ---- set-up ------------------------------------------------------------------------
-    def load_model(self) -> None:
-        from ember.models.loader import load_model
-        from ember.registry import ModelRegistry, QuantizationRegistry
-
-        cfg = self.model_config
-        model_cls = ModelRegistry.resolve(cfg.architecture)
-        weights = None
-        if cfg.is_gguf and cfg.load_format != "dummy":
-            from ember.models.loader.gguf import iter_gguf_weights
-
-            weights = iter_gguf_weights(cfg.path, cfg.hf_config,
-                                        progress=None if self.show_progress else False)
-        self.model = load_model(
-            cfg.hf_config if cfg.is_gguf else cfg.path,
-            model_cls,
-            self.attn_backend,
-            self.dtype,
-            self.device,
-            cfg.load_format,
-            weights=weights,
-            progress=None if self.show_progress else False,
-        )
-        if cfg.quantization is not None:
-            from ember.quantization.base import quantize_model
-
-            method_cls = QuantizationRegistry.resolve(cfg.quantization)
-            method = method_cls() if isinstance(method_cls, type) else method_cls
-            count = quantize_model(self.model, method)
-            logger.info("quantized %d linear layers with %s", count, cfg.quantization)
-
+    # ---- set-up (called by ember.worker.builder) ---------------------------------------
     def compile_model(self) -> None:
         """torch.compile the model around its attention layers. Those stay eager (dynamo skips
         them): a backend reads host-side metadata and writes the paged KV cache in place, which
         traced code would bake in; inductor fuses everything between them."""
         from ember.layers.attention import Attention
 
-        for module in self.model.modules():  # type: ignore[union-attr]
+        for module in self.model.modules():
             if isinstance(module, Attention):
                 module.forward = torch.compiler.disable(module.forward)
         self.model = torch.compile(self.model, dynamic=True)
 
     def kv_geometry(self) -> tuple[int, int, int]:
         model = self.model
-        return model.num_layers, model.num_kv_heads, model.head_size  # type: ignore[union-attr]
+        return model.num_layers, model.num_kv_heads, model.head_size
 
     def bytes_per_block(self) -> int:
         num_layers, kv_heads, head_size = self.kv_geometry()
@@ -131,7 +112,8 @@ class ModelRunner:
         ]
 
     def capture_cuda_graphs(self, max_batch_size: int) -> float:
-        """Capture decode graphs (CUDA + a graph-capable backend); returns the seconds taken."""
+        """Capture decode graphs (the builder checks that platform and backend both support
+        them); returns the seconds taken."""
         from ember.worker.cuda_graph import CudaGraphRunner
 
         max_blocks = -(-self.model_config.max_model_len // self.block_size)
@@ -143,8 +125,6 @@ class ModelRunner:
     def profile_run(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         """One forward at the largest step (plus sampling at the largest batch), writing no KV,
         so the platform can measure peak activation memory before sizing the KV cache."""
-        import numpy as np
-
         from ember.layers.attention import ForwardContext
         from ember.layers.sampling_metadata import build_sampling_metadata
         from ember.sampling_params import SamplingParams
@@ -171,8 +151,8 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         ctx = ForwardContext(self.attn_backend.build_metadata(md), caches)
-        hidden = self.model(ids, positions, ctx)  # type: ignore[misc]
-        logits = self.model.compute_logits(hidden[:max_num_seqs])  # type: ignore[union-attr]
+        hidden = self.model(ids, positions, ctx)
+        logits = self.model.compute_logits(hidden[:max_num_seqs])
         params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * logits.shape[0]
         rows = [[0]] * logits.shape[0]
         sampling = build_sampling_metadata(params, rows, rows, {}, logits.shape[-1], self.device)
@@ -249,7 +229,7 @@ class ModelRunner:
 
         previous, self.in_flight = self.in_flight, None
         self._update_states(out)
-        step = InFlightStep()
+        step = InFlightStep(self.platform)
         if out.is_empty:
             return step
         batch = build_flat_batch(self.states, out.num_scheduled_tokens, self.block_size,
@@ -263,7 +243,7 @@ class ModelRunner:
         else:
             positions = self._stage("positions", batch.positions, torch.int64)
             ctx = ForwardContext(attn_metadata=self._metadata(batch), kv_caches=self.kv_caches)
-            hidden = self.model(input_ids, positions, ctx)  # type: ignore[misc]
+            hidden = self.model(input_ids, positions, ctx)
         self._prompt_logprobs(batch, hidden, out, step.result)
         if batch.sample_rows:
             self._sample(batch, hidden, step, previous)
@@ -292,11 +272,11 @@ class ModelRunner:
 
         if len(batch.sample_rows) == len(hidden):  # pure decode: every token samples, in order
             rows = batch.states
-            logits = self.model.compute_logits(hidden)  # type: ignore[union-attr]
+            logits = self.model.compute_logits(hidden)
         else:
             rows = [batch.states[row] for row in batch.sample_rows]
             indices = self._stage("logits_indices", batch.logits_indices, torch.int64)
-            logits = self.model.compute_logits(hidden[indices])  # type: ignore[union-attr]
+            logits = self.model.compute_logits(hidden[indices])
         if not self.special_sampling_reqs or all(
             _plain_greedy(s.sampling_params, len(s.output_token_ids)) for s in rows
         ):
@@ -340,7 +320,7 @@ class ModelRunner:
             entries: list[tuple[list[int], list[float], int]] = []
             if end > start:
                 offset = int(batch.query_start_loc[row])
-                logits = self.model.compute_logits(  # type: ignore[union-attr]
+                logits = self.model.compute_logits(
                     hidden[offset : offset + end - start]
                 )
                 targets = torch.tensor(

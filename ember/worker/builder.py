@@ -1,0 +1,131 @@
+"""Builds a ready-to-run worker from EngineArgs: everything that happens once, before any step.
+
+In order: plugins and the platform; the model config (ember.config.resolve_model_config); the model
+class (the model registry's own resolution); the attention backend (by declared capability); the
+weights (a loader chosen by format, ember.models.loader.formats); quantization; the activation
+peak measured by the platform; the KV cache sized from what is left; decode graphs where platform
+and backend both support them; torch.compile when asked. The executor then only runs steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ember.attention_backends.base import AttentionBackend
+    from ember.config import EngineArgs, ModelConfig
+    from ember.platforms.base import Platform
+    from ember.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("ember")
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+MAX_GRAPH_BATCH_SIZE = 512
+
+
+@dataclass
+class BuiltWorker:
+    """A model runner with its weights, KV cache and graphs in place, and how it was chosen."""
+
+    platform: Platform
+    model_config: ModelConfig
+    attn_backend: type[AttentionBackend]
+    runner: ModelRunner
+    num_blocks: int
+    max_num_batched_tokens: int
+    peak_activation_bytes: int
+    graph_capture_seconds: float
+
+
+def head_size(model_config: ModelConfig) -> int:
+    hf = model_config.hf_config
+    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
+
+def choose_attention_backend(platform: Platform, model_config: ModelConfig,
+                             override: str | None) -> type[AttentionBackend]:
+    from ember.attention_backends.selector import select_attention_backend
+
+    return select_attention_backend(
+        platform,
+        dtype=model_config.dtype,
+        head_size=head_size(model_config),
+        sliding_window=bool(getattr(model_config.hf_config, "sliding_window", None)),
+        override=override,
+    )
+
+
+def load_model(args: EngineArgs, platform: Platform, model_config: ModelConfig,
+               attn_backend: type[AttentionBackend], dtype) -> nn.Module:
+    """The model class from the registry, its weights from the format's loader, then the
+    quantization method when one is asked for."""
+    from ember.models.loader.formats import load_weights
+    from ember.registry import ModelRegistry, QuantizationRegistry
+
+    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture)
+    progress = None if args.show_progress else False
+    model = load_weights(model_config, model_cls, attn_backend, dtype, platform.device(), progress)
+    if model_config.quantization is not None:
+        from ember.quantization.base import quantize_model
+
+        method_cls = QuantizationRegistry.resolve(model_config.quantization)
+        method = method_cls() if isinstance(method_cls, type) else method_cls
+        count = quantize_model(model, method)
+        logger.info("quantized %d linear layers with %s", count, model_config.quantization)
+    return model
+
+
+def kv_cache_num_blocks(args: EngineArgs, platform: Platform, runner: ModelRunner,
+                        peak_activation_bytes: int) -> int:
+    """Blocks for the explicit override, else for the byte budget (given, or the platform's
+    less the activation peak), capped at what max_num_seqs full-length requests can use."""
+    if args.num_gpu_blocks_override is not None:
+        return args.num_gpu_blocks_override
+    budget = args.kv_cache_memory_bytes
+    if budget is None:
+        budget = platform.kv_cache_memory_bytes(args.gpu_memory_utilization)
+        budget -= peak_activation_bytes  # the largest step must still fit beside it
+    num_blocks = int(budget // runner.bytes_per_block())
+    per_request = -(-runner.model_config.max_model_len // args.block_size)
+    return max(min(num_blocks, per_request * args.max_num_seqs), 0)
+
+
+def captures_graphs(args: EngineArgs, platform: Platform,
+                    attn_backend: type[AttentionBackend]) -> bool:
+    """Decode graphs need a platform that captures them and a graph-safe backend."""
+    return (not args.enforce_eager and platform.supports_cuda_graphs
+            and attn_backend.supports_cuda_graphs)
+
+
+def build_worker(args: EngineArgs) -> BuiltWorker:
+    """Resolve, load, size and capture (see the module docstring for the order)."""
+    from ember.config import resolve_model_config
+    from ember.platforms import resolve_platform
+    from ember.plugins import load_plugins
+    from ember.worker.model_runner import ModelRunner, torch_dtype
+
+    load_plugins()
+    platform = resolve_platform(args.device)
+    platform.seed_everything(args.seed)
+    model_config = resolve_model_config(args, platform)
+    attn_backend = choose_attention_backend(platform, model_config, args.attention_backend)
+    dtype = torch_dtype(model_config.dtype)
+    model = load_model(args, platform, model_config, attn_backend, dtype)
+    runner = ModelRunner(model_config, attn_backend, platform, model, args.block_size)
+    max_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    peak = platform.profile_peak_memory(lambda: runner.profile_run(max_tokens, args.max_num_seqs))
+    num_blocks = kv_cache_num_blocks(args, platform, runner, peak)
+    runner.initialize_kv_cache(num_blocks)
+    capture_seconds = 0.0
+    if captures_graphs(args, platform, attn_backend):
+        capture_seconds = runner.capture_cuda_graphs(min(args.max_num_seqs, MAX_GRAPH_BATCH_SIZE))
+    if args.compile_model:
+        # After graph capture: decode graphs hold the eager kernels (fused ones on CUDA);
+        # the compiled model serves the steps that run eagerly (prefill, mixed, large).
+        runner.compile_model()
+    return BuiltWorker(platform, model_config, attn_backend, runner, num_blocks, max_tokens,
+                       peak, capture_seconds)
