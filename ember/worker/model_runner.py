@@ -14,8 +14,7 @@ import torch
 from ember.attention_backends.base import AttentionBackend, AttentionMetadata
 from ember.config import ModelConfig
 from ember.core.scheduler_output import SchedulerOutput
-from ember.layers.fused_ops import greedy_argmax
-from ember.layers.sampler import Sampler
+from ember.layers.sampler import Sampler, greedy_argmax
 from ember.worker.in_flight import InFlightStep
 from ember.worker.input_batch import (
     BlockTableRows,
