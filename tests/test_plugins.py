@@ -260,6 +260,82 @@ def test_cli_lists_plugins_and_their_errors(site):
     assert any(e["name"] == "GoodForCausalLM" for e in data["registries"]["models"])
 
 
+CLI = "import sys; from ember.entrypoints.cli_plugins import main; sys.exit(main({args!r}))"
+
+
+def test_strict_mode_log_line_says_the_failure_is_fatal(site):
+    proc = run_py("""
+        import logging
+        logging.basicConfig()
+        from ember.plugins import load_plugins, PluginLoadError
+        try:
+            load_plugins()
+        except PluginLoadError:
+            print("raised")
+    """, path=[site], EMBER_PLUGINS="raising", EMBER_PLUGINS_STRICT="1")
+    assert proc.stdout.strip() == "raised"
+    assert "failed to load" in proc.stderr and "makes this fatal" in proc.stderr
+    assert "disabled" not in proc.stderr and "unaffected" not in proc.stderr
+
+
+def test_check_exits_nonzero_when_a_plugin_failed(site):
+    failed = run_py(CLI.format(args=["--check"]), path=[site], check=False,
+                    EMBER_PLUGINS="raising")
+    assert failed.returncode == 1 and "boom in a hook" in failed.stdout
+    clean = run_py(CLI.format(args=["--check"]), path=[site], check=False, EMBER_PLUGINS="")
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    listing = run_py(CLI.format(args=[]), path=[site], check=False, EMBER_PLUGINS="raising")
+    assert listing.returncode == 0  # a listing reports; --check is the gate
+
+
+def test_check_exits_nonzero_when_an_entry_does_not_import(site):
+    proc = run_py(CLI.format(args=["--check"]), path=[site], check=False, EMBER_PLUGINS="good")
+    assert proc.returncode == 1  # good_impl:Good is not a module
+    assert "IMPORT ERROR" in proc.stdout
+
+
+def test_tracebacks_are_shown_only_with_verbose(site):
+    plain = run_py(CLI.format(args=[]), path=[site], EMBER_PLUGINS="raising")
+    assert "Traceback" not in plain.stdout + plain.stderr
+    assert "RuntimeError: boom in a hook" in plain.stdout  # the one-line reason
+    assert plain.stderr.count("failed to load") == 1 and "-v" in plain.stderr
+    verbose = run_py(CLI.format(args=["-v"]), path=[site], EMBER_PLUGINS="raising")
+    assert "Traceback" in verbose.stdout and "raising_plugin.py" in verbose.stdout
+
+
+@pytest.mark.parametrize("arch, fields", [
+    # config.json without head_dim: the engine's config (AutoConfig) fills Qwen3's default, 128
+    ("qwen3", {"hidden_size": 64, "num_attention_heads": 2}),
+    # head_dim differs from hidden_size // num_attention_heads (64 // 4 = 16)
+    ("qwen3", {"hidden_size": 64, "num_attention_heads": 4, "head_dim": 32}),
+    # no head_dim anywhere: hidden_size // num_attention_heads = 32
+    ("llama", {"hidden_size": 64, "num_attention_heads": 2}),
+])
+def test_explain_derives_the_head_size_the_engine_builds(tmp_path, arch, fields):
+    """`--explain --model DIR` must name the head size of the model the engine would build."""
+    import torch
+    import transformers
+
+    from ember.attention_backends.sdpa import SdpaBackend
+    from ember.config import load_hf_config
+    from ember.registry import ModelRegistry
+
+    config = {"architectures": [f"{arch.capitalize()}ForCausalLM"], "model_type": arch,
+              "vocab_size": 128, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_key_value_heads": 1, **fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf_config = load_hf_config(str(tmp_path))[0]
+    with torch.device("meta"):
+        model = ModelRegistry.resolve(config["architectures"][0])(hf_config, SdpaBackend)
+    assert isinstance(hf_config, transformers.PretrainedConfig)
+    proc = run_py(f"""
+        from ember.entrypoints.cli_plugins import main
+        main(["--explain", "--model", {str(tmp_path)!r}, "--device", "cpu"])
+    """, EMBER_PLUGINS="")
+    assert f"model needs: dtype float32, head size {model.head_size}" in proc.stdout, proc.stdout
+    assert "assuming" not in proc.stdout
+
+
 # ---- the example plugins (examples/plugins), as installed by examples/plugins/install.sh ----
 
 needs_examples = pytest.mark.skipif(not examples_installed(),
@@ -314,10 +390,11 @@ def test_broken_example_plugin_is_reported_and_others_keep_working(broken_site):
 
 @needs_examples
 def test_broken_example_plugin_in_strict_mode_is_fatal(broken_site):
-    proc = run_py("from ember.entrypoints.cli_plugins import main; main([])",
+    proc = run_py("import sys; from ember.entrypoints.cli_plugins import main; sys.exit(main([]))",
                   path=[broken_site], check=False, EMBER_PLUGINS_STRICT="1")
     assert proc.returncode != 0
     assert "PluginLoadError" in proc.stderr and "EMBER_PLUGINS_STRICT=1" in proc.stderr
+    assert "Traceback" not in proc.stderr  # one line without -v
 
 
 @needs_examples

@@ -2,12 +2,15 @@
 
     ember plugins                       every plugin (with its load status and error) and every
                                         model, attention backend, quantization method, platform
-    ember plugins --check               also import each entry and report import errors
+    ember plugins --check               also import each entry; exits 1 if a plugin failed
+                                        or an entry does not import
     ember plugins --json                the same as data
     ember plugins --explain [--model PATH_OR_ARCH] [--device X] [--dtype D] [--attention-backend B]
                                         the platform and attention backend that would be chosen
 
-The listing imports neither torch nor any plugin module beyond its registration module.
+The listing imports neither torch nor any plugin module beyond its registration module. A
+failed plugin shows as one line (its error); -v adds its traceback. In strict mode
+(EMBER_PLUGINS_STRICT=1) a failure ends the command with exit status 1.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import sys
 from typing import Any
 
 _TITLES = {"models": "Models", "attention_backends": "Attention backends",
-           "quantization_methods": "Quantization methods", "platforms": "Platforms"}
+           "quantization_methods": "Quantization methods", "platforms": "Platforms",
+           "executors": "Executors"}
 
 
 def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
@@ -42,7 +46,7 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
                         help="also import every entry (imports torch) and report failures")
     parser.add_argument("--json", action="store_true", help="print the listing as JSON")
     parser.add_argument("-v", "--verbose", action="store_true",
-                        help="print failed plugins' full tracebacks")
+                        help="print failed plugins' full tracebacks (else one line each)")
     parser.set_defaults(func=run)
     return parser
 
@@ -74,19 +78,29 @@ def _caps_text(kind: str, caps: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in caps.items() if k != "probe")
 
 
+IMPORT_OK = "imports ok"
+
+
 def _import_status(reg: Any, name: str) -> str:
     try:
         reg.resolve(name)
     except Exception as exc:  # the point is to report it
         return f"IMPORT ERROR: {type(exc).__name__}: {exc}".splitlines()[0]
-    return "imports ok"
+    return IMPORT_OK
 
 
 def listing(check: bool = False, verbose: bool = False) -> list[str]:
+    return listing_and_status(check, verbose)[0]
+
+
+def listing_and_status(check: bool = False, verbose: bool = False) -> tuple[list[str], bool]:
+    """The listing's lines, and False when a plugin failed (or, with `check`, an entry does not
+    import): what `--check` turns into its exit status."""
     from ember.plugins import load_plugins
     from ember.registry import REGISTRIES
 
     report = load_plugins()
+    ok = report.ok
     version = _ember_version()
     out = [f"ember {version}; plugins (entry-point group 'ember.plugins'): {report.summary()}"]
     if report.allowlist is not None:
@@ -115,10 +129,14 @@ def listing(check: bool = False, verbose: bool = False) -> list[str]:
                 provider += f" (overrides {e.overrides})"
             row = [e.name, provider, e.target, _caps_text(kind, e.capabilities)]
             if check:
-                row.append(_import_status(reg, e.name))
+                status = _import_status(reg, e.name)
+                ok = ok and status == IMPORT_OK
+                row.append(status)
             rows.append(row)
         out += _table(rows)
-    return out
+    if not verbose and any(p.traceback for p in report.plugins):
+        out += ["", "(-v shows the failed plugins' tracebacks)"]
+    return out, ok
 
 
 def listing_json() -> dict[str, Any]:
@@ -129,8 +147,35 @@ def listing_json() -> dict[str, Any]:
             "registries": snap["registries"]}
 
 
+def head_size_of(cfg: Any) -> int | None:
+    """The head size the built-in models use: `head_dim` when the config gives one, else
+    hidden_size // num_attention_heads (None when the config has neither)."""
+    size = getattr(cfg, "head_dim", None)
+    if size:
+        return int(size)
+    heads, hidden = getattr(cfg, "num_attention_heads", None), getattr(cfg, "hidden_size", None)
+    return int(hidden) // int(heads) if heads and hidden else None
+
+
+def _dir_config(model_dir: str, notes: list[str]) -> Any:
+    """The config of an HF directory read as the engine reads it (transformers' AutoConfig,
+    whose per-architecture defaults fill fields config.json leaves out); the raw config.json
+    when transformers cannot read it."""
+    from types import SimpleNamespace
+
+    from ember.config import load_hf_config
+
+    try:
+        return load_hf_config(model_dir)[0]
+    except (ImportError, ValueError) as exc:
+        notes.append(f"config read as plain JSON (transformers could not: {exc})")
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return SimpleNamespace(**json.load(f))
+
+
 def _model_facts(model: str | None, head_size: int | None) -> tuple[dict[str, Any], list[str]]:
-    """arch, config dtype, head size and sliding window of --model, read without torch."""
+    """arch, config dtype, head size and sliding window of --model (a GGUF is read without
+    torch; a directory as the engine reads it)."""
     from types import SimpleNamespace
 
     from ember.registry import ModelRegistry
@@ -148,17 +193,14 @@ def _model_facts(model: str | None, head_size: int | None) -> tuple[dict[str, An
     if model and model.endswith(".gguf") and os.path.isfile(model):
         cfg = _gguf_config(model)
     elif model and os.path.isdir(model):
-        with open(os.path.join(model, "config.json")) as f:
-            cfg = SimpleNamespace(**json.load(f))
+        cfg = _dir_config(model, notes)
     elif model:
         if model not in ModelRegistry:
             raise ValueError(f"--model {model!r} is neither a model directory, a .gguf file nor a "
                              f"registered architecture ({', '.join(ModelRegistry.names())})")
         cfg = SimpleNamespace(architectures=[model])
     archs = list(getattr(cfg, "architectures", None) or [])
-    heads = getattr(cfg, "num_attention_heads", None)
-    size = head_size or getattr(cfg, "head_dim", None) or (
-        cfg.hidden_size // heads if heads and getattr(cfg, "hidden_size", None) else None)
+    size = head_size or (head_size_of(cfg) if cfg is not None else None)
     if size is None:
         size = 64
         notes.append("head size unknown (give --head-size or a model path): assuming 64")
@@ -247,15 +289,23 @@ def _print(text: str) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    if ns.explain:
-        lines, ok = explain(ns.model, ns.device, ns.dtype, ns.head_size, ns.attention_backend)
-        _print("\n".join(lines))
-        return 0 if ok else 1
-    if ns.json:
-        _print(json.dumps(listing_json(), indent=2))
-        return 0
-    _print("\n".join(listing(check=ns.check, verbose=ns.verbose)))
-    return 0
+    from ember.plugins import PluginLoadError
+
+    try:
+        if ns.explain:
+            lines, ok = explain(ns.model, ns.device, ns.dtype, ns.head_size, ns.attention_backend)
+            _print("\n".join(lines))
+            return 0 if ok else 1
+        if ns.json:
+            _print(json.dumps(listing_json(), indent=2))
+            return 0
+        lines, ok = listing_and_status(check=ns.check, verbose=ns.verbose)
+    except PluginLoadError as exc:  # strict mode: a plugin failed
+        text = str(exc) if ns.verbose else str(exc).splitlines()[0] + " (-v: traceback)"
+        print(f"ember plugins: PluginLoadError: {text}", file=sys.stderr)
+        return 1
+    _print("\n".join(lines))
+    return 0 if ok or not ns.check else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,10 +65,21 @@ def ember_register_models(registry, api_version):  # type: ignore[no-untyped-def
     """
 
 
+@hookspec
+def ember_register_executors(registry, api_version):  # type: ignore[no-untyped-def]
+    """Register executors (what runs the model for the engine core):
+    ``registry.register_executor(name, "mod:Cls")``.
+
+    `registry` is ember.registry.ExecutorRegistry; "uni" (in-process) is built in. Added in plugin
+    API v1 without a version bump: a new hook breaks no existing plugin.
+    """
+
+
 # Hook name -> registry key in ember.registry.REGISTRIES, in the order hooks are called.
 HOOKS: dict[str, str] = {
     "ember_register_platforms": "platforms",
     "ember_register_attention_backends": "attention_backends",
     "ember_register_quantization_methods": "quantization_methods",
     "ember_register_models": "models",
+    "ember_register_executors": "executors",
 }

@@ -10,6 +10,14 @@ called with no arguments (vLLM's ``register()`` style). Each plugin is loaded in
   another's hooks.
 EMBER_PLUGINS (comma-separated entry-point or distribution names; unset = all, empty = none)
 filters what is imported at all; EMBER_PLUGINS_STRICT=1 turns any failure into PluginLoadError.
+
+A failure is logged as one line (the plugin and its error); its traceback goes to the DEBUG log
+and to the report (`ember plugins -v` prints it).
+
+Wiring: importing this module registers `load_plugins` with ember.registry.hooks (run before any
+registry read) and the load report as the snapshot's "plugins" section (so a worker process adopts
+its parent's report instead of discovering plugins again). The dependency goes one way: plugins
+know the registries, the registries know nothing of plugins.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import Any
 
 from ember import envs
 from ember.plugins.report import FAILED, LOADED, MISSING, SKIPPED, PluginReport, PluginStatus
+from ember.registry import hooks
 
 GROUP = "ember.plugins"
 
@@ -32,7 +41,10 @@ def _logger() -> Any:
 
 
 class PluginLoadError(RuntimeError):
-    """Raised in strict mode when a plugin fails to load (or an allow-listed one is missing)."""
+    """Raised in strict mode when a plugin fails to load (or an allow-listed one is missing).
+
+    The message's first line says which plugin and why; the plugin's traceback follows it.
+    """
 
 
 _lock = threading.RLock()
@@ -77,6 +89,14 @@ def adopt_report(report: PluginReport) -> None:
         _state, _report, _fatal = "done", report, None
 
 
+def _export_report() -> dict[str, Any]:
+    return load_plugins().to_dict()
+
+
+def _adopt_report_data(data: dict[str, Any]) -> None:
+    adopt_report(PluginReport.from_dict(data))
+
+
 def reset_for_tests() -> None:
     """Forget that plugins were loaded (the registries are left as they are)."""
     global _state, _report, _fatal
@@ -112,7 +132,7 @@ def _load_all(report: PluginReport) -> None:
         if wanted is not None and not keys & wanted:
             status.status = SKIPPED
             continue
-        _load_one(ep, status)
+        _load_one(ep, status, report.strict)
         if status.status == FAILED and report.strict:
             raise PluginLoadError(
                 f"ember plugin {status.name!r} ({status.provider}) failed to load "
@@ -127,7 +147,7 @@ def _load_all(report: PluginReport) -> None:
                                   "(EMBER_PLUGINS_STRICT=1)")
 
 
-def _load_one(ep: Any, status: PluginStatus) -> None:
+def _load_one(ep: Any, status: PluginStatus, strict: bool = False) -> None:
     from ember.registry import REGISTRIES, load_state, registering_as, save_state
 
     saved = save_state()
@@ -146,12 +166,18 @@ def _load_one(ep: Any, status: PluginStatus) -> None:
         import traceback
 
         status.traceback = traceback.format_exc()
-        _logger().error(
-            "ember plugin %r (%s, %s) failed to load and is disabled; the other plugins and the "
-            "built-ins are unaffected (`ember plugins` shows this; EMBER_PLUGINS_STRICT=1 makes "
-            "it fatal): %s\n%s", status.name, status.provider, status.value, status.error,
-            status.traceback,
-        )
+        log = _logger()
+        if strict:  # the caller raises PluginLoadError next: say so, not "disabled"
+            log.error("ember plugin %r (%s, %s) failed to load: %s; EMBER_PLUGINS_STRICT=1 makes "
+                      "this fatal", status.name, status.provider, status.value, status.error)
+        else:
+            log.error(
+                "ember plugin %r (%s, %s) failed to load and is disabled; the other plugins and "
+                "the built-ins are unaffected (`ember plugins -v` shows its traceback; "
+                "EMBER_PLUGINS_STRICT=1 makes it fatal): %s", status.name, status.provider,
+                status.value, status.error,
+            )
+        log.debug("traceback of ember plugin %r:\n%s", status.name, status.traceback)
         return
     status.status = LOADED
     if not had_torch and "torch" in sys.modules:
@@ -195,3 +221,7 @@ def _run_hooks(obj: Any, status: PluginStatus) -> None:
             if impl.wrapper or impl.hookwrapper:
                 raise TypeError(f"{hook_name}: wrapper hookimpls are not supported")
             impl.function(**{name: args[name] for name in impl.argnames})
+
+
+hooks.add_before_read(load_plugins)
+hooks.add_snapshot_section("plugins", _export_report, _adopt_report_data)

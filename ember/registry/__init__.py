@@ -1,9 +1,10 @@
-"""The four registries (models, attention backends, quantization methods, platforms), their
-built-in entries, and the snapshot/restore hand-off to worker processes.
+"""The registries (models, attention backends, quantization methods, platforms, executors),
+their built-in entries, and the snapshot/restore hand-off to worker processes.
 
-Importing this module imports no model, backend, platform or plugin code. The first lookup or
-registration loads the installed plugins once (see ember.plugins), so plugin entries are there
-whenever anything is read, and user registrations come after plugins'.
+Importing this package imports no model, backend, platform, executor or plugin code, and it
+imports nothing of ember.plugins: the plugin loader registers into ember.registry.hooks (when
+`import ember` imports it), so the first lookup or registration loads the installed plugins once,
+plugin entries are there whenever anything is read, and user registrations come after plugins'.
 
 Worker processes: `snapshot()` in the parent gives a plain dict (JSON- and pickle-safe) of every
 entry, including classes registered as objects (recorded as "module:qualname"); `restore(snap)` in
@@ -20,8 +21,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ember.registry import hooks
 from ember.registry.base import Entry, LazyRegistry, registering_as
-from ember.registry.capabilities import backend_caps
+from ember.registry.capabilities import backend_caps, check_class_attributes
 
 SNAPSHOT_FORMAT = 1
 
@@ -54,6 +56,10 @@ class AttentionBackendRegistryType(LazyRegistry[type]):
 
     def normalize_capabilities(self, caps: dict[str, Any]) -> dict[str, Any]:
         return backend_caps(caps)
+
+    def check_resolved(self, entry: Entry, obj: Any) -> None:
+        # `cuda_graphs` is declared here; the class's `supports_cuda_graphs` must agree.
+        check_class_attributes(self.kind, entry.name, entry.target, entry.capabilities, obj)
 
     def register_backend(
         self,
@@ -104,6 +110,10 @@ class PlatformRegistryType(LazyRegistry[type]):
             raise ValueError(f"'probe' must be a 'module:function' string, got {probe!r}")
         return caps
 
+    def check_resolved(self, entry: Entry, obj: Any) -> None:
+        # A registered `device_type` is the truth; the class's `device_type` must agree.
+        check_class_attributes(self.kind, entry.name, entry.target, entry.capabilities, obj)
+
     def register_platform(self, name: str, platform_cls: str | type, *, probe: str | None = None,
                           override: bool = False, **capabilities: Any) -> Entry:
         if probe is not None:
@@ -114,16 +124,31 @@ class PlatformRegistryType(LazyRegistry[type]):
         return self.names()
 
 
+class ExecutorRegistryType(LazyRegistry[type]):
+    """Executor name -> executor class: what runs the model for the engine core ("uni": in this
+    process). The engine core builds its executor through this registry, never by importing one;
+    plugins add executors with the ``ember_register_executors`` hook."""
+
+    def register_executor(self, name: str, executor_cls: str | type, *, override: bool = False,
+                          **capabilities: Any) -> Entry:
+        return self.register(name, executor_cls, capabilities=capabilities, override=override)
+
+    def get_supported_executors(self) -> list[str]:
+        return self.names()
+
+
 ModelRegistry = ModelRegistryType("model architecture")
 AttentionBackendRegistry = AttentionBackendRegistryType("attention backend")
 QuantizationRegistry = QuantizationRegistryType("quantization method")
 PlatformRegistry = PlatformRegistryType("platform")
+ExecutorRegistry = ExecutorRegistryType("executor")
 
 REGISTRIES: dict[str, LazyRegistry] = {
     "models": ModelRegistry,
     "attention_backends": AttentionBackendRegistry,
     "quantization_methods": QuantizationRegistry,
     "platforms": PlatformRegistry,
+    "executors": ExecutorRegistry,
 }
 
 _BUILTIN_MODELS = {
@@ -159,6 +184,9 @@ _BUILTIN_PLATFORMS = {
     "rocm": ("ember.platforms.rocm:RocmPlatform",
              {"device_type": "cuda", "probe": "ember.platforms.rocm:rocm_probe"}),
 }
+_BUILTIN_EXECUTORS = {
+    "uni": "ember.executor.uniproc:UniProcExecutor",
+}
 
 for _name, _target in _BUILTIN_MODELS.items():
     ModelRegistry.register(_name, _target, owner="ember")
@@ -168,40 +196,30 @@ for _name, _target in _BUILTIN_QUANTIZATION.items():
     QuantizationRegistry.register(_name, _target, owner="ember")
 for _name, (_target, _caps) in _BUILTIN_PLATFORMS.items():
     PlatformRegistry.register(_name, _target, owner="ember", capabilities=_caps)
-
-
-def _load_plugins_once() -> None:
-    from ember.plugins.loader import load_plugins
-
-    load_plugins()
-
-
-LazyRegistry.before_read = _load_plugins_once
+for _name, _target in _BUILTIN_EXECUTORS.items():
+    ExecutorRegistry.register(_name, _target, owner="ember")
 
 
 def snapshot() -> dict[str, Any]:
-    """Every registry's entries and the plugin report, as plain data for a worker process."""
-    from ember.plugins.loader import load_plugins
-
-    report = load_plugins()
+    """Every registry's entries plus the hooks' sections (the plugin report, under "plugins"),
+    as plain data for a worker process."""
+    hooks.run_before_read()
     return {
         "format": SNAPSHOT_FORMAT,
         "registries": {kind: reg.export_entries() for kind, reg in REGISTRIES.items()},
-        "plugins": report.to_dict(),
+        **hooks.export_sections(),
     }
 
 
 def restore(snap: dict[str, Any]) -> None:
     """Install a parent's snapshot in this process; plugins are not rediscovered here."""
-    from ember.plugins.loader import adopt_report
-    from ember.plugins.report import PluginReport
-
     if snap.get("format") != SNAPSHOT_FORMAT:
         raise ValueError(f"registry snapshot format {snap.get('format')!r} is not "
                          f"{SNAPSHOT_FORMAT}; parent and worker run different ember versions?")
-    adopt_report(PluginReport.from_dict(snap["plugins"]))
+    hooks.adopt_sections(snap)
     for kind, reg in REGISTRIES.items():
-        reg.import_entries(snap["registries"][kind])
+        if kind in snap["registries"]:
+            reg.import_entries(snap["registries"][kind])
 
 
 def save_state() -> dict[str, Any]:
@@ -217,7 +235,7 @@ def load_state(state: dict[str, Any]) -> None:
 @contextmanager
 def isolated() -> Iterator[None]:
     """Registrations made inside the block are undone at its end (for tests)."""
-    _load_plugins_once()  # else plugin entries loaded inside the block would be undone too
+    hooks.run_before_read()  # else plugin entries loaded inside the block would be undone too
     state = save_state()
     try:
         yield
@@ -232,6 +250,7 @@ __all__ = [
     "AttentionBackendRegistry",
     "QuantizationRegistry",
     "PlatformRegistry",
+    "ExecutorRegistry",
     "REGISTRIES",
     "registering_as",
     "snapshot",

@@ -8,16 +8,26 @@ entry. Every registry is open: any string is a valid name. Each entry remembers 
 Registering a name that exists is an error unless `override=True` (vLLM lets the last write win
 silently). Re-registering the same target by the same owner is a no-op, so re-running a notebook
 cell works.
+
+The registration's capability data is the source of truth. A registry kind may also check an
+imported object against it (`check_resolved`), so a class attribute that repeats a capability
+cannot silently disagree with what selection read.
+
+Before any read or write a registry runs ember.registry.hooks.run_before_read(): that is where the
+plugin loader, which this module knows nothing of, loads the installed plugins once.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
+
+from ember.registry import hooks
 
 T = TypeVar("T")
 
@@ -137,11 +147,14 @@ def _target_of(obj: Any) -> str:
 class LazyRegistry(Generic[T]):
     """Maps names to lazily imported objects; errors list the valid names.
 
-    `before_read`, when set, runs before any lookup or registration: ember uses it to load the
-    installed plugins once, so built-ins come first, then plugins, then user code.
+    Every lookup or registration first runs ember.registry.hooks.run_before_read() (ember loads
+    the installed plugins there once, so built-ins come first, then plugins, then user code).
     """
 
-    before_read: Callable[[], None] | None = None
+    # Deprecated: assign through ember.registry.hooks.add_before_read(fn) instead. A callable
+    # assigned here still runs before every read, with a DeprecationWarning the first time.
+    before_read: ClassVar[Callable[[], None] | None] = None
+    _before_read_warned: ClassVar[bool] = False
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -195,6 +208,8 @@ class LazyRegistry(Generic[T]):
             logging.getLogger("ember.registry").info(
                 "%s %r of %s is overridden by %s", self.kind, name, old.provider, owner)
         entry = Entry(name, path, owner, caps, version=version, plugin=plugin, overrides=overrides)
+        if obj is not None:
+            self.check_resolved(entry, obj)
         self._entries[name] = entry
         self._resolved.pop(name, None)
         if obj is not None:
@@ -205,11 +220,21 @@ class LazyRegistry(Generic[T]):
         """Subclasses check their kind's capability schema here and fill in defaults."""
         return caps
 
+    def check_resolved(self, entry: Entry, obj: Any) -> None:
+        """Subclasses check an imported (or registered) object against its entry's declared
+        capabilities here; raise ValueError on a disagreement."""
+
     # ---- lookup -------------------------------------------------------------------------
     def _before_read(self) -> None:
-        hook = LazyRegistry.before_read
-        if hook is not None:
-            hook()
+        hooks.run_before_read()
+        legacy = LazyRegistry.__dict__.get("before_read")
+        if legacy is not None:
+            if not LazyRegistry._before_read_warned:
+                LazyRegistry._before_read_warned = True
+                warnings.warn("LazyRegistry.before_read is deprecated: use "
+                              "ember.registry.hooks.add_before_read(fn)", DeprecationWarning,
+                              stacklevel=3)
+            legacy()
 
     def names(self) -> list[str]:
         self._before_read()
@@ -264,6 +289,7 @@ class LazyRegistry(Generic[T]):
                 f"cannot import {self.kind} {name!r} from {entry.target} "
                 f"(registered by {entry.provider}): {exc}{hint}"
             ) from exc
+        self.check_resolved(entry, obj)
         self._resolved[name] = obj
         return obj
 

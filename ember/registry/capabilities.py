@@ -86,3 +86,43 @@ def _as_list(value: Any, key: str) -> list[Any]:
 
 def _str_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value)
+
+
+# Capabilities that a class may repeat as an attribute: registry kind -> [(capability, class
+# attribute, the contract base class whose default does not count as a declaration)].
+CLASS_ATTRIBUTES: dict[str, list[tuple[str, str, str]]] = {
+    "attention backend": [
+        ("cuda_graphs", "supports_cuda_graphs", "ember.attention_backends.base:AttentionBackend")],
+    "platform": [("device_type", "device_type", "ember.platforms.base:Platform")],
+}
+
+
+def _declared(cls: type, attr: str, contract: str) -> tuple[bool, Any]:
+    """Whether `cls` (or a base below the contract class) sets `attr` itself, and to what."""
+    for klass in cls.__mro__:
+        if f"{klass.__module__}:{klass.__qualname__}" == contract:
+            break
+        if attr in vars(klass):
+            return True, vars(klass)[attr]
+    return False, None
+
+
+def check_class_attributes(kind: str, name: str, target: str, caps: dict[str, Any],
+                           obj: Any) -> None:
+    """The registration is the source of truth: a class attribute that repeats a capability
+    must agree with it (ValueError otherwise), and one the class leaves at the contract's default
+    is set from it, so code that reads the attribute sees what selection read."""
+    if not isinstance(obj, type):
+        return
+    for cap, attr, contract in CLASS_ATTRIBUTES.get(kind, []):
+        if cap not in caps:
+            continue
+        declared, value = _declared(obj, attr, contract)
+        if not declared:
+            setattr(obj, attr, caps[cap])
+        elif value != caps[cap]:
+            raise ValueError(
+                f"{kind} {name!r}: its class {target} says {attr}={value!r}, but its registration "
+                f"declares {cap}={caps[cap]!r}; ember selects by the registration, so make them "
+                f"agree (or drop the class attribute)"
+            )
