@@ -1,6 +1,8 @@
 """Build a model and fill its weights: from an HF directory (safetensors, sharded or not), from
 random "dummy" values (config alone), or from any iterator of (HF name, tensor) pairs (GGUF).
 
+Which of these reads a given checkpoint is decided once, by its format, in ``formats.py``.
+
 The model is built on the meta device and materialised with ``to_empty``, so building costs no
 time on random initialisation that loading overwrites anyway. torch, transformers and safetensors
 are imported inside the functions: importing this package (e.g. for ``loader.gguf``) stays cheap.
