@@ -14,10 +14,6 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _flag_default_on(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("0", "false", "no", "off")
-
-
 def plugins_allowlist() -> list[str] | None:
     """EMBER_PLUGINS: comma-separated plugins to load, by entry-point or distribution name
     (case, '-', '_' and '.' do not matter); unset = all, empty string = none."""
@@ -62,36 +58,3 @@ def api_key() -> str | None:
 def step_timing() -> bool:
     """EMBER_STEP_TIMING=1: time each engine phase per step (see ember.core.step_timer)."""
     return _flag("EMBER_STEP_TIMING")
-
-
-def disable_fused_ops() -> bool:
-    """EMBER_DISABLE_FUSED_OPS=1: the decoder layers keep to their torch ops (RMSNorm, rotary,
-    SiLU-and-mul) on CUDA in half precision too, instead of the fused Triton kernels of
-    ember.layers.fused_ops (which are only ever used there)."""
-    return _flag("EMBER_DISABLE_FUSED_OPS")
-
-
-def small_batch_gemv() -> bool:
-    """EMBER_SMALL_BATCH_GEMV (default on; 0 = off): on CUDA in fp16/bf16, linear layers of up to
-    64 MB of weights at batch <= 16 (up to 256 MB at batch 1) use the Triton kernel of
-    ember.layers.linear, not cuBLAS."""
-    return _flag_default_on("EMBER_SMALL_BATCH_GEMV")
-
-
-def decode_stores_kv() -> bool:
-    """EMBER_DECODE_STORES_KV (default on; 0 = off): the triton backend's decode kernel writes
-    the decode tokens' K/V itself instead of a separate store kernel."""
-    return _flag_default_on("EMBER_DECODE_STORES_KV")
-
-
-def pdl() -> bool:
-    """EMBER_PDL (default on; 0 = off): ember's Triton kernels launch with programmatic dependent
-    launch on sm90+ GPUs, so each starts while the kernel before it ends (fused_ops.pdl_options)."""
-    return _flag_default_on("EMBER_PDL")
-
-
-def gemv_l2_prefetch() -> int | None:
-    """EMBER_GEMV_L2_PREFETCH (tuning; default: the per-shape rule): how many K elements of each
-    weight row the small-batch linear kernel prefetches into L2 before its main loop."""
-    value = _str("EMBER_GEMV_L2_PREFETCH")
-    return None if value is None else int(value)

@@ -87,11 +87,11 @@ def fake(monkeypatch):
         flat[0, slots[keep]] = key[keep].to(flat.dtype)
         flat[1, slots[keep]] = value[keep].to(flat.dtype)
 
-    # forward does `from ember.attention_backends.triton_ops import store_kv`; a stand-in package
-    # in sys.modules answers that import without importing triton.
-    ops = types.ModuleType("ember.attention_backends.triton_ops")
+    # forward does `from ember.kernels.store_kv import store_kv`; a stand-in module in
+    # sys.modules answers that import without importing triton.
+    ops = types.ModuleType("ember.kernels.store_kv")
     ops.store_kv = store_kv
-    monkeypatch.setitem(sys.modules, "ember.attention_backends.triton_ops", ops)
+    monkeypatch.setitem(sys.modules, "ember.kernels.store_kv", ops)
     return mod
 
 

@@ -21,15 +21,14 @@ pytest.importorskip("triton")
 
 from ember.attention_backends.base import AttentionMetadata  # noqa: E402
 from ember.attention_backends.triton_backend import TritonBackend  # noqa: E402
-from ember.attention_backends.triton_ops import (  # noqa: E402
+from ember.kernels.decode_attention import (  # noqa: E402
     DecodeConfig,
-    PrefillConfig,
     choose_num_splits,
+    default_config,
     paged_decode_attention,
-    paged_prefill_attention,
-    store_kv,
 )
-from ember.attention_backends.triton_ops.decode import default_config  # noqa: E402
+from ember.kernels.prefill_attention import PrefillConfig, paged_prefill_attention  # noqa: E402
+from ember.kernels.store_kv import store_kv  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -300,11 +299,9 @@ def _expected(q, k, v, cache, meta, num_heads, head_size, scale, window=None):
     return ref.view(n, num_heads * head_size), cache
 
 
-@pytest.mark.parametrize("decode_stores_kv", ["0", "1"])
 @pytest.mark.parametrize("graph_batch,shape", [(0, MIXED), (8, MIXED), (8, DECODE_ONLY)])
-def test_backend_forward(graph_batch, shape, decode_stores_kv, monkeypatch):
-    # EMBER_DECODE_STORES_KV=1: the decode kernel writes the decode rows' K/V (same cache after).
-    monkeypatch.setenv("EMBER_DECODE_STORES_KV", decode_stores_kv)
+def test_backend_forward(graph_batch, shape, monkeypatch):
+    # The decode kernel writes the decode rows' K/V, the store kernel the rest: same cache after.
     monkeypatch.setattr(TritonBackend, "graph_max_batch_size", 0)
     TritonBackend.prepare_graph_capture(graph_batch, 16, DEV)
     assert TritonBackend.name == "triton" and TritonBackend.supports_cuda_graphs

@@ -87,7 +87,7 @@ class FlashInferImpl(AttentionImpl):
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
         import torch
 
-        from ember.attention_backends.triton_ops import store_kv
+        from ember.kernels.store_kv import store_kv
 
         n = query.shape[0]
         q = query.view(n, self.num_heads, self.head_size)

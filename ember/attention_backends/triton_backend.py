@@ -12,74 +12,50 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, ClassVar
 
+from ember import kernels
 from ember.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
 
 if TYPE_CHECKING:
     import torch
 
 
-def _sms(device: torch.device) -> int:
-    import torch
-
-    from ember.attention_backends.triton_ops.common import num_sms
-
-    if device.type != "cuda":
-        return num_sms(None)
-    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 # Cached: every layer asks the same question each step, and the answers are pure functions.
 @functools.lru_cache(maxsize=1024)
-def _num_splits(
-    batch: int, num_kv_heads: int, head_size: int, max_seq_len: int | None, sms: int
-) -> int:
-    from ember.attention_backends.triton_ops.decode import choose_num_splits, default_config
-
-    return choose_num_splits(batch, num_kv_heads, max_seq_len, default_config(head_size), sms)
+def _num_splits(batch: int, num_kv_heads: int, head_size: int, max_seq_len: int | None,
+                device: torch.device) -> int:
+    decode = kernels.decode_attention
+    policy = decode.default_config(head_size, tuning=kernels.tuning.tuning_for(device))
+    return decode.choose_num_splits(batch, num_kv_heads, max_seq_len, policy,
+                                    kernels.launch.num_sms(device))
 
 
 @functools.lru_cache(maxsize=64)
-def _graph_workspace_numel(
-    graph_batch: int, num_heads: int, num_kv_heads: int, head_size: int, sms: int
-) -> int:
-    from ember.attention_backends.triton_ops import decode_workspace_numel
-
+def _graph_workspace_numel(graph_batch: int, num_heads: int, num_kv_heads: int, head_size: int,
+                           device: torch.device) -> int:
     return max(
-        decode_workspace_numel(b, num_heads, head_size,
-                               _num_splits(b, num_kv_heads, head_size, None, sms))
+        kernels.decode_attention.decode_workspace_numel(b, num_heads, head_size,
+                               _num_splits(b, num_kv_heads, head_size, None, device))
         for b in range(1, graph_batch + 1)
     )
 
 
 class TritonImpl(AttentionImpl):
-    """Per-layer attention through the Triton kernels in ``triton_ops``."""
-
-    @functools.cached_property
-    def _ops(self):
-        # Imported on first use so that listing or resolving backends never imports triton.
-        from ember.attention_backends import triton_ops
-
-        return triton_ops
-
-    @functools.cached_property
-    def _decode_stores_kv(self) -> bool:
-        from ember import envs
-
-        return envs.decode_stores_kv()
+    """Per-layer attention through ember.kernels' store_kv, decode_attention and
+    prefill_attention (loaded on first use: listing or resolving backends imports no triton)."""
 
     def _decode_splits(self, batch: int, max_seq_len: int | None, device: torch.device) -> int:
-        return _num_splits(batch, self.num_kv_heads, self.head_size, max_seq_len, _sms(device))
+        return _num_splits(batch, self.num_kv_heads, self.head_size, max_seq_len, device)
 
     def _workspace(self, batch: int, num_splits: int, device: torch.device) -> torch.Tensor | None:
         if num_splits == 1:
             return None
-        need = self._ops.decode_workspace_numel(batch, self.num_heads, self.head_size, num_splits)
+        need = kernels.decode_attention.decode_workspace_numel(batch, self.num_heads,
+                                                               self.head_size, num_splits)
         graph_batch = TritonBackend.graph_max_batch_size
         if graph_batch:
             # Sized once for every graph batch size, so capture never has to grow the buffer.
             need = max(need, _graph_workspace_numel(graph_batch, self.num_heads,
-                                                    self.num_kv_heads, self.head_size,
-                                                    _sms(device)))
+                                                    self.num_kv_heads, self.head_size, device))
         return TritonBackend.workspace(need, device)
 
     def forward(
@@ -92,18 +68,16 @@ class TritonImpl(AttentionImpl):
     ) -> torch.Tensor:
         import torch
 
-        ops = self._ops
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
         num_decodes = metadata.num_decode_tokens
-        decode_stores = num_decodes > 0 and self._decode_stores_kv
-        if not decode_stores:
-            ops.store_kv(k, v, kv_cache, metadata.slot_mapping)
-        elif num_tokens > num_decodes:  # the decode kernel stores the decode rows' K/V
-            ops.store_kv(k[num_decodes:], v[num_decodes:], kv_cache,
-                         metadata.slot_mapping[num_decodes:])
+        # The decode kernel writes the decode rows' K/V itself (one kernel fewer per layer);
+        # the store kernel writes the rest.
+        if num_tokens > num_decodes:
+            kernels.store_kv.store_kv(k[num_decodes:], v[num_decodes:], kv_cache,
+                                      metadata.slot_mapping[num_decodes:])
 
         out = torch.empty(
             num_tokens, self.num_heads * self.head_size, dtype=query.dtype, device=query.device
@@ -119,7 +93,7 @@ class TritonImpl(AttentionImpl):
             # round exactly as replays do and give the same tokens.
             max_seq_len = None if num_reqs == num_decodes else metadata.max_seq_len
             splits = self._decode_splits(num_decodes, max_seq_len, query.device)
-            ops.paged_decode_attention(
+            kernels.decode_attention.paged_decode_attention(
                 q[:num_decodes],
                 kv_cache,
                 metadata.seq_lens[:num_decodes],
@@ -130,13 +104,12 @@ class TritonImpl(AttentionImpl):
                 num_splits=splits,
                 logits_soft_cap=cap,
                 workspace=self._workspace(num_decodes, splits, query.device),
-                new_kv=(k[:num_decodes], v[:num_decodes], metadata.slot_mapping[:num_decodes])
-                if decode_stores else None,
+                new_kv=(k[:num_decodes], v[:num_decodes], metadata.slot_mapping[:num_decodes]),
             )
         if num_reqs > num_decodes:
             # query_start_loc holds absolute token offsets, so slicing it keeps pointing at the
             # prefill tokens of the full q/out tensors.
-            ops.paged_prefill_attention(
+            kernels.prefill_attention.paged_prefill_attention(
                 q,
                 kv_cache,
                 metadata.query_start_loc[num_decodes:],

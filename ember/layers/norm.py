@@ -2,7 +2,7 @@
 casting back), so float32 and bfloat16 models both match HF bit for bit.
 
 On CUDA in half precision the norm (and the residual add before it, ``forward_with_residual``)
-runs as one fused Triton kernel instead (see ember.layers.fused_ops); elsewhere the torch ops.
+runs as one Triton kernel instead (ember.kernels.rms_norm); elsewhere the torch ops.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ember.layers import fused_ops
+from ember import kernels
+from ember.kernels import dispatch
 
 
 class RMSNorm(nn.Module):
@@ -20,10 +21,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
+        self.use_kernel = dispatch.layer_kernels_enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_ops.fused_ops_enabled(x):
-            return fused_ops.rms_norm(x, self.weight, self.eps)
+        if self.use_kernel and dispatch.takes_kernel(x):
+            return kernels.rms_norm.rms_norm(x, self.weight, self.eps)
         return self._forward_torch(x)
 
     def forward_with_residual(
@@ -33,8 +35,8 @@ class RMSNorm(nn.Module):
 
         ``x`` (a branch output the caller no longer needs) may be overwritten with the sum.
         """
-        if fused_ops.fused_ops_enabled(x):
-            return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if self.use_kernel and dispatch.takes_kernel(x):
+            return kernels.rms_norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
         # In place, as the decoder always did (branch.add_(residual)): no extra allocation.
         h = x.add_(residual)
         return self._forward_torch(h), h

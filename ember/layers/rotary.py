@@ -6,8 +6,8 @@ Scaling types: "default", "linear" and "llama3" (Llama 3.1). Settings come from
 HF does, and shared by every layer; there is no position table, so no max-length limit and no
 buffer to move between devices.
 
-On CUDA in half precision ``apply_qk`` rotates q and k in place with one fused Triton kernel
-(ember.layers.fused_ops), bit-identical to the torch ops of ``apply``.
+On CUDA in half precision ``apply_qk`` rotates q and k in place with one Triton kernel
+(ember.kernels.rotary), bit-identical to the torch ops of ``apply``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember.layers import fused_ops
+from ember import kernels
+from ember.kernels import dispatch
 
 _SUPPORTED = ("default", "linear", "llama3")
 
@@ -78,6 +79,7 @@ class RotaryEmbedding(nn.Module):
         # with to_empty(), which would leave a buffer uninitialised. Moved lazily per device.
         self._inv_freq = _inv_freq(self.rotary_dim, theta, scaling)
         self._per_device: dict[torch.device, torch.Tensor] = {}
+        self.use_kernel = dispatch.layer_kernels_enabled()
 
     @classmethod
     def from_config(cls, config: Any, head_size: int) -> RotaryEmbedding:
@@ -109,8 +111,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``apply`` to q and k. With the fused kernel they are rotated in place (they may be
         views of the fused qkv output) and returned; otherwise new tensors are returned."""
-        if fused_ops.fused_ops_enabled(q):
-            fused_ops.rotary_inplace(q, k, cos, sin, self.rotary_dim)
+        if self.use_kernel and dispatch.takes_kernel(q):
+            kernels.rotary.rotary_inplace(q, k, cos, sin, self.rotary_dim)
             return q, k
         return self.apply(q, cos, sin), self.apply(k, cos, sin)
 

@@ -14,12 +14,28 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ember import kernels
+from ember.kernels import dispatch
 from ember.layers.sampling_metadata import (
     GREEDY_EPS,
     SamplingMetadata,
     min_tokens_index,
     pad_token_ids,
 )
+
+# Up to this many rows the chunked argmax kernel beats torch's one-block-per-row reduction, which
+# leaves most SMs idle when there are few rows.
+GREEDY_KERNEL_MAX_ROWS = 16
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy token ids of [rows, vocab] logits: ember's chunked kernel (ember.kernels.argmax)
+    for a few rows on CUDA, torch's argmax otherwise."""
+    if (logits.dim() == 2 and logits.shape[0] <= GREEDY_KERNEL_MAX_ROWS
+            and logits.stride(-1) == 1 and dispatch.on_gpu(logits)
+            and dispatch.layer_kernels_enabled()):
+        return kernels.argmax.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 @dataclass

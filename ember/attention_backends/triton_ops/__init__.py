@@ -1,22 +1,26 @@
-"""Triton kernels of the paged attention path: KV store, prefill (any query length), decode.
-
-Importing this package imports triton; the backend imports it only when it is chosen.
+"""Deprecated: the attention kernels moved to ember.kernels (store_kv, prefill_attention,
+decode_attention). This package and its modules re-export them under their old names.
 """
 
-from ember.attention_backends.triton_ops.decode import (
-    DECODE_CONFIGS,
-    DECODE_SPLIT_CONFIGS,
+import warnings
+
+from ember.kernels.decode_attention import (
     DecodeConfig,
     choose_num_splits,
     decode_workspace_numel,
     paged_decode_attention,
 )
-from ember.attention_backends.triton_ops.prefill import (
-    PREFILL_CONFIGS,
-    PrefillConfig,
-    paged_prefill_attention,
-)
-from ember.attention_backends.triton_ops.store_kv import store_kv
+from ember.kernels.prefill_attention import PrefillConfig, paged_prefill_attention
+from ember.kernels.store_kv import store_kv
+from ember.kernels.tuning import default_tuning
+
+warnings.warn("ember.attention_backends.triton_ops is deprecated: use ember.kernels.store_kv, "
+              "ember.kernels.prefill_attention and ember.kernels.decode_attention",
+              DeprecationWarning, stacklevel=2)
+
+DECODE_CONFIGS = dict(default_tuning().decode)
+DECODE_SPLIT_CONFIGS = dict(default_tuning().decode_split)
+PREFILL_CONFIGS = dict(default_tuning().prefill)
 
 __all__ = [
     "DECODE_CONFIGS",

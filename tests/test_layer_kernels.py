@@ -1,8 +1,9 @@
-"""Fused Triton kernels (RMSNorm + residual add, rotary, SiLU-and-mul) against the torch paths.
+"""The layers' Triton kernels (ember.kernels: RMSNorm + residual add, rotary, SiLU-and-mul,
+greedy argmax) against the torch paths, and the layers' choice between them.
 
-Without CUDA the kernels run under TRITON_INTERPRET=1 on the CPU at small shapes (the wrappers
-are called directly: the layers only pick them on CUDA in half precision); with CUDA the same
-cases run compiled. Rotary and the residual add round where torch rounds, so they must match it
+Without CUDA the kernels run under TRITON_INTERPRET=1 on the CPU at small shapes (the kernel
+functions are called directly: the layers only pick them on CUDA in half precision); with CUDA
+the same cases run compiled. Rotary and the residual add round where torch rounds, so they must match it
 bit for bit; RMSNorm and SiLU may differ by an ulp (reduction order, exp). The interpreter
 truncates float32 -> bfloat16 instead of rounding to nearest, so there bf16 gets ulp tolerances
 too. The ``gpu``-marked test runs tiny bf16 decoders with the fused ops on and off.
@@ -17,11 +18,16 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # Must be set before the kernels are first launched: fused_ops jits them on first use.
+    # Must be set before a kernel module is imported: @triton.jit reads it then.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from ember.layers import fused_ops  # noqa: E402
+from ember.kernels import KernelConfig, dispatch, use_kernel_config  # noqa: E402
+from ember.kernels.argmax import argmax_rows  # noqa: E402
+from ember.kernels.launch import merge_counters  # noqa: E402
+from ember.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from ember.kernels.rotary import rotary_inplace  # noqa: E402
+from ember.kernels.silu_and_mul import silu_and_mul  # noqa: E402
 from ember.layers.activation import SiluAndMul  # noqa: E402
 from ember.layers.norm import RMSNorm  # noqa: E402
 from ember.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -47,8 +53,12 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=2 * eps, atol=2 * eps * scale)
 
 
+TORCH_LAYERS = KernelConfig(triton_layers=False)  # layers built under it are the torch reference
+
+
 def _norm(hidden: int, dtype: torch.dtype, seed: int = 0) -> RMSNorm:
-    norm = RMSNorm(hidden, 1e-5, dtype).to(DEV)
+    with use_kernel_config(TORCH_LAYERS):
+        norm = RMSNorm(hidden, 1e-5, dtype).to(DEV)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
@@ -68,7 +78,7 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> to
 def test_rms_norm_matches_torch(dtype, hidden):
     norm = _norm(hidden, dtype)
     x = _randn(7, hidden, dtype=dtype, seed=1, scale=3.0)
-    got = fused_ops.rms_norm(x, norm.weight, norm.eps)
+    got = rms_norm(x, norm.weight, norm.eps)
     _assert_close(got, norm._forward_torch(x))
 
 
@@ -83,7 +93,7 @@ def test_rms_norm_per_head_on_strided_qkv_view(dtype):
     assert not q.is_contiguous() and not k.is_contiguous()
     for x, seed in ((q, 3), (k, 4)):
         norm = _norm(d, dtype, seed)
-        got = fused_ops.rms_norm(x, norm.weight, norm.eps)
+        got = rms_norm(x, norm.weight, norm.eps)
         assert got.is_contiguous()
         _assert_close(got, norm._forward_torch(x))
     assert torch.equal(qkv, before)  # inputs untouched
@@ -96,7 +106,7 @@ def test_fused_add_rms_norm(dtype, hidden):
     x = _randn(6, hidden, dtype=dtype, seed=5, scale=2.0)
     residual = _randn(6, hidden, dtype=dtype, seed=6, scale=4.0)
     x0, r0 = x.clone(), residual.clone()
-    out, new_residual = fused_ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    out, new_residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
     assert torch.equal(x, x0) and torch.equal(residual, r0)
     # The torch path (CPU here, or a disabled CUDA run) adds into x in place.
     want_out, want_residual = norm.forward_with_residual(x0.clone(), r0)
@@ -126,7 +136,7 @@ def test_rotary_inplace_on_fused_qkv_views(dtype, head_size, rotary_dim):
     cos, sin = rope.cos_sin(positions, dtype)
     want_q, want_k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
 
-    fused_ops.rotary_inplace(q, k, cos, sin, rotary_dim)
+    rotary_inplace(q, k, cos, sin, rotary_dim)
     if _bit_exact(dtype):
         assert torch.equal(q, want_q) and torch.equal(k, want_k)
     else:
@@ -141,10 +151,10 @@ def test_rotary_inplace_accepts_2d_cos_sin_and_empty_batch():
     k = _randn(3, 2, 16, dtype=torch.float32, seed=9)
     cos, sin = rope.cos_sin(torch.arange(3, device=DEV), torch.float32)
     want_q, want_k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    fused_ops.rotary_inplace(q, k, cos[:, 0], sin[:, 0], 16)
+    rotary_inplace(q, k, cos[:, 0], sin[:, 0], 16)
     _assert_close(q, want_q)
     _assert_close(k, want_k)
-    fused_ops.rotary_inplace(q[:0], k[:0], cos[:0], sin[:0], 16)  # no launch, no error
+    rotary_inplace(q[:0], k[:0], cos[:0], sin[:0], 16)  # no launch, no error
 
 
 # ---- SiLU and mul -------------------------------------------------------------------------------
@@ -154,33 +164,31 @@ def test_rotary_inplace_accepts_2d_cos_sin_and_empty_batch():
 @pytest.mark.parametrize("d", [40, 1100])  # 1100: more than one column block per row
 def test_silu_and_mul(dtype, d):
     x = _randn(3, 2 * d, dtype=dtype, seed=10, scale=3.0)
-    ref = SiluAndMul()(x) if not x.is_cuda else torch.nn.functional.silu(x[:, :d]) * x[:, d:]
-    _assert_close(fused_ops.silu_and_mul(x), ref)
+    with use_kernel_config(TORCH_LAYERS):
+        ref = SiluAndMul()(x)
+    _assert_close(silu_and_mul(x), ref)
     x3 = x.view(3, 1, 2 * d)  # leading dims are flattened and restored
-    assert fused_ops.silu_and_mul(x3).shape == (3, 1, d)
+    assert silu_and_mul(x3).shape == (3, 1, d)
 
 
 # ---- when the layers use the kernels -----------------------------------------------------------
 
 
-def test_fused_ops_enabled_only_for_cuda_half(monkeypatch):
-    monkeypatch.delenv("EMBER_DISABLE_FUSED_OPS", raising=False)
+def test_layers_take_kernels_only_for_cuda_half():
     for dtype in DTYPES:
-        assert not fused_ops.fused_ops_enabled(torch.zeros(2, dtype=dtype))  # CPU: never
+        assert not dispatch.takes_kernel(torch.zeros(2, dtype=dtype))  # CPU: never
     if torch.cuda.is_available():
-        assert not fused_ops.fused_ops_enabled(torch.zeros(2, device="cuda"))  # float32
-        assert fused_ops.fused_ops_enabled(torch.zeros(2, dtype=torch.bfloat16, device="cuda"))
-        monkeypatch.setenv("EMBER_DISABLE_FUSED_OPS", "1")
-        assert not fused_ops.fused_ops_enabled(torch.zeros(2, dtype=torch.bfloat16, device="cuda"))
+        assert not dispatch.takes_kernel(torch.zeros(2, device="cuda"))  # float32
+        assert dispatch.takes_kernel(torch.zeros(2, dtype=torch.bfloat16, device="cuda"))
 
 
-def test_disable_env_var(monkeypatch):
-    from ember import envs
-
-    monkeypatch.setenv("EMBER_DISABLE_FUSED_OPS", "1")
-    assert envs.disable_fused_ops()
-    monkeypatch.setenv("EMBER_DISABLE_FUSED_OPS", "0")
-    assert not envs.disable_fused_ops()
+def test_kernel_config_is_read_as_layers_are_built():
+    assert dispatch.layer_kernels_enabled()  # the default, with triton installed
+    with use_kernel_config(TORCH_LAYERS):
+        assert not dispatch.layer_kernels_enabled()
+        torch_norm, torch_rope = RMSNorm(8), RotaryEmbedding(16, 10000.0)
+    assert not torch_norm.use_kernel and not torch_rope.use_kernel
+    assert RMSNorm(8).use_kernel and SiluAndMul().use_kernel  # built after: the default again
 
 
 # ---- whole decoder --------------------------------------------------------------------------------
@@ -256,7 +264,7 @@ def test_decoder_wiring_with_fused_ops_forced(arch, tmp_path, monkeypatch):
         calls.append(x.dtype)
         return x.dtype in (torch.float16, torch.bfloat16)
 
-    monkeypatch.setattr(fused_ops, "fused_ops_enabled", forced)
+    monkeypatch.setattr(dispatch, "takes_kernel", forced)
     fused = run()
     assert calls
     _compare_decoders(fused, unfused)
@@ -265,12 +273,10 @@ def test_decoder_wiring_with_fused_ops_forced(arch, tmp_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("backend_name", ["triton", "sdpa"])
-def test_gpu_bf16_decoder_fused_matches_unfused(arch, backend_name, tmp_path, monkeypatch):
-    run = _decoder_runner(arch, backend_name, torch.bfloat16, tmp_path)
-    monkeypatch.delenv("EMBER_DISABLE_FUSED_OPS", raising=False)
-    fused = run()
-    monkeypatch.setenv("EMBER_DISABLE_FUSED_OPS", "1")
-    unfused = run()
+def test_gpu_bf16_decoder_kernels_match_torch_layers(arch, backend_name, tmp_path):
+    fused = _decoder_runner(arch, backend_name, torch.bfloat16, tmp_path / "kernels")()
+    with use_kernel_config(TORCH_LAYERS):
+        unfused = _decoder_runner(arch, backend_name, torch.bfloat16, tmp_path / "torch")()
     _compare_decoders(fused, unfused)
 
 
@@ -287,7 +293,7 @@ def test_argmax_rows_matches_torch_including_ties(rows):
         logits[2, :] = float("-inf")
         logits[2, 4_096] = 1.0
     for _ in range(2):
-        got = fused_ops.argmax_rows(logits)
+        got = argmax_rows(logits)
         assert got.dtype == torch.int64
         assert torch.equal(got.cpu(), logits.argmax(dim=-1).cpu())
-    assert torch.count_nonzero(fused_ops.merge_counters(1, logits.device)) == 0
+    assert torch.count_nonzero(merge_counters(1, logits.device)) == 0

@@ -1,0 +1,52 @@
+"""ember's Triton kernels: one module per op, the one home of every kernel.
+
+    store_kv            write new keys/values into the paged KV cache
+    prefill_attention   paged attention for query chunks of any length
+    decode_attention    split-KV paged attention for one query token per request
+    rms_norm            RMSNorm, optionally with the residual add before it
+    rotary              rotate_half rotary embedding of q and k, in place
+    silu_and_mul        the SwiGLU gate of a fused gate_up projection
+    argmax              greedy argmax of a few rows over vocabulary chunks
+    small_batch_linear  weight-streaming linear layer for up to 16 rows
+
+Shared pieces: ``launch`` (grid arithmetic, SM count, programmatic dependent launch, merge
+counters), ``attention_common`` (score scaling inside the attention kernels), ``tuning`` (tuned
+tile configurations per device, as data), ``config`` (``KernelConfig``: what stays switchable,
+set once per process) and ``dispatch`` (whether a layer takes a kernel).
+
+Convention: a kernel module imports triton at its top and defines its kernels with
+``@triton.jit`` there. Nothing imports a kernel module until a kernel is about to launch: the
+op modules are attributes of this package, loaded on first access (``kernels.rms_norm``), so
+``import ember.kernels`` needs neither torch nor triton, CPU-only runs never import triton, and
+a test can still choose TRITON_INTERPRET (which triton reads when a kernel is defined) after
+importing the layers. Layers and attention backends import kernels; kernels import no layer or
+backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ember.kernels.config import KernelConfig, kernel_config, set_kernel_config, use_kernel_config
+
+OPS = (
+    "store_kv",
+    "prefill_attention",
+    "decode_attention",
+    "rms_norm",
+    "rotary",
+    "silu_and_mul",
+    "argmax",
+    "small_batch_linear",
+)
+_LAZY_MODULES = frozenset((*OPS, "launch", "attention_common", "dispatch", "tuning"))
+
+__all__ = ["OPS", "KernelConfig", "kernel_config", "set_kernel_config", "use_kernel_config"]
+
+
+def __getattr__(name: str) -> ModuleType:
+    # Only reached while the submodule is not imported yet; importing it sets the attribute.
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,52 @@
+"""KernelConfig: the one switchable part of how ember runs its kernels, set once per process.
+
+The defaults are what ember ships: the layers' Triton kernels on CUDA in half precision and
+programmatic dependent launch on sm90+ GPUs. Turning one off exists to compare against the plain
+path (tests, benchmarks) and to rule a kernel out while debugging; it is not a tuning knob.
+Layers read the config as they are built, launches read ``pdl`` as they are made; nothing reads
+the environment. Set it before building an engine::
+
+    from ember.kernels import KernelConfig, set_kernel_config
+    set_kernel_config(KernelConfig(pdl=False))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    # RMSNorm (+ residual), rotary, SiLU-and-mul, greedy argmax and the small-batch linear
+    # kernel replace the torch ops on CUDA in float16/bfloat16 (the torch ops run elsewhere).
+    triton_layers: bool = True
+    # Programmatic dependent launch of ember's kernels on sm90+ (see launch.pdl_options).
+    pdl: bool = True
+
+
+_current = KernelConfig()
+
+
+def kernel_config() -> KernelConfig:
+    """The process's kernel configuration."""
+    return _current
+
+
+def set_kernel_config(config: KernelConfig) -> KernelConfig:
+    """Replace the process's kernel configuration (layers built before keep their choice);
+    returns the previous one."""
+    global _current
+    previous, _current = _current, config
+    return previous
+
+
+@contextlib.contextmanager
+def use_kernel_config(config: KernelConfig) -> Iterator[KernelConfig]:
+    """``config`` for the duration of the block (tests and benchmarks that compare paths)."""
+    previous = set_kernel_config(config)
+    try:
+        yield config
+    finally:
+        set_kernel_config(previous)

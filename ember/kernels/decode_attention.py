@@ -1,0 +1,403 @@
+"""Paged decode attention (one query token per request) with split-KV (flash-decoding).
+
+Kernel 1 runs one program per (request, kv head, split): it loads the query rows of every query
+head in the kv group at once (GQA: each K/V tile is read from HBM once for the whole group),
+walks its share of the context in BLOCK_N-token tiles gathered through ``block_table``, and keeps
+an online softmax in fp32. With one split it writes the output directly (the fast path when the
+batch alone fills the GPU); otherwise it writes a normalised partial output and its log-sum-exp,
+and kernel 2 merges the splits of each (request, head).
+
+The grid depends only on the batch size and the split count, and empty splits or requests with
+``seq_len == 0`` (padding in CUDA-graph batches) are handled in the kernels, so launches are
+graph-safe. Tiles and the split policy come from ember.kernels.tuning (per device; the
+ember.bench.attention_kernels and decode_latency benchmarks sweep them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels.attention_common import NEG_BIG, scaled_scores
+from ember.kernels.launch import dot_precision, head_pad, num_sms, pdl_options
+from ember.kernels.tuning import DecodeConfig, DeviceTuning, tuning_for
+
+__all__ = [
+    "DecodeConfig",
+    "choose_num_splits",
+    "decode_workspace_numel",
+    "default_config",
+    "paged_decode_attention",
+]
+
+
+def default_config(head_size: int, split: bool = False, latency: bool = False,
+                   tuning: DeviceTuning | None = None) -> DecodeConfig:
+    """Kernel config for the no-split path, the split path (``split=True``), or a split launch
+    with at most one program per SM (``latency=True`` too), from ``tuning`` (default: the
+    default device's tables).
+
+    The split policy (programs_per_sm, min_split_tokens, max_splits) is read from the no-split
+    entry, so the choice of splits never depends on the config it then selects.
+    """
+    tuning = tuning or tuning_for(None)
+    if not split:
+        table = tuning.decode
+    else:
+        table = tuning.decode_latency if latency else tuning.decode_split
+    return table.get(head_pad(head_size), DecodeConfig())
+
+
+def _wave_efficiency(programs: int, wave: int) -> float:
+    """Fraction of the launched waves' slots that hold a program."""
+    return programs / (triton.cdiv(programs, wave) * wave)
+
+
+def choose_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int | None,
+    config: DecodeConfig,
+    sms: int = 132,
+) -> int:
+    """Splits per request that make batch * kv_heads * splits programs fill whole waves.
+
+    1 (the no-split fast path) when the batch alone fills its waves about as well.
+    ``max_seq_len=None`` (e.g. CUDA-graph capture, where lengths change at replay) allows up to
+    ``graph_max_splits``; the kernels then shrink the splits a short request actually uses.
+    """
+    base = batch * num_kv_heads
+    direct_wave = sms * config.direct_programs_per_sm
+    if base >= 2 * direct_wave:
+        return 1  # many waves: quantisation no longer matters
+    if max_seq_len is None:
+        max_splits = config.graph_max_splits
+    else:
+        max_splits = min(config.max_splits, triton.cdiv(max_seq_len, config.min_split_tokens))
+    split_wave = sms * config.programs_per_sm
+    # At most four waves: more only adds reduce work and shorter, less efficient programs.
+    max_splits = min(max_splits, 4 * split_wave // base)
+    best, best_eff = 1, _wave_efficiency(base, direct_wave)
+    for splits in range(2, max_splits + 1):
+        eff = _wave_efficiency(base * splits, split_wave)
+        # Near-ties go to fewer splits: longer programs amortise their pipeline start, and the
+        # reduce has less to merge.
+        if eff > best_eff + 0.05:
+            best, best_eff = splits, eff
+    return best
+
+
+@triton.jit
+def _split_plan(seq_len, window, num_splits, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
+    """First key tile of a request and keys per split (a multiple of BLOCK_N, at least one)."""
+    start = 0
+    if SLIDING:
+        start = tl.maximum(seq_len - window, 0)
+    start = (start // BLOCK_N) * BLOCK_N
+    span = tl.maximum(seq_len - start, 0)
+    per_split = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+    return start, tl.maximum(per_split, BLOCK_N)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    cache_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    slot_ptr,
+    scale,
+    softcap,
+    window,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ckv,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_knt,
+    stride_vnt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DIRECT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    STORE_NEW: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # see ember.kernels.launch.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    req = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    start, per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
+    lo = start + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)  # hi <= lo: empty split, the loop does nothing
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_SIZE
+    q_ptrs = q_ptr + req.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    # Rows >= GROUP only pad M up to 16 for tl.dot; they are zero and never stored.
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(cache_ptr.dtype.element_ty)
+
+    k_base = cache_ptr + kvh * stride_ch
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    last = seq_len - 1  # the new token's position
+    # With STORE_NEW the new token's K/V are not in the cache yet: the tiles stop before it and
+    # an epilogue adds it from registers (the tile loop stays the same kernel as without).
+    end = tl.minimum(hi, last) if STORE_NEW else hi
+    m_i = tl.full([GROUP_PAD], NEG_BIG, tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    for tile in range(lo, end, BLOCK_N):
+        pos = tile + offs_n
+        n_mask = pos < end
+        if SLIDING:
+            n_mask = n_mask & (pos >= seq_len - window)
+        # Block ids per key: several cache blocks per tile, gathered through the block table.
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < end, other=0).to(tl.int64)
+        kv_off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_ct
+        kv_ptrs = k_base + kv_off[:, None] + offs_d[None, :]
+        if HEAD_PAD == HEAD_SIZE:
+            kv_mask = (pos < end)[:, None]
+        else:
+            kv_mask = (pos < end)[:, None] & d_mask[None, :]
+        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s = scaled_scores(qk, scale, softcap, SOFTCAP)
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    if STORE_NEW:
+        # The split holding the new position (instead of a separate store kernel) writes the
+        # step's K/V to the cache and attends to them as one more key, rounding like the tiles.
+        slot = tl.load(slot_ptr + req)
+        if (lo <= last) & (last < hi):
+            k_new = tl.load(k_new_ptr + req.to(tl.int64) * stride_knt + kvh * HEAD_SIZE + offs_d,
+                            mask=d_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+            v_new = tl.load(v_new_ptr + req.to(tl.int64) * stride_vnt + kvh * HEAD_SIZE + offs_d,
+                            mask=d_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+            if slot >= 0:
+                new_ptrs = (k_base + (slot // BLOCK_SIZE) * stride_cb
+                            + (slot % BLOCK_SIZE) * stride_ct + offs_d)
+                tl.store(new_ptrs, k_new, mask=d_mask)
+                tl.store(new_ptrs + stride_ckv, v_new, mask=d_mask)
+            qk_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
+            s_new = scaled_scores(qk_new, scale, softcap, SOFTCAP)
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            p_new = p_new.to(cache_ptr.dtype.element_ty).to(tl.float32)
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
+
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / safe_l[:, None]
+    if DIRECT:
+        o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+        o_ptrs = o_ptrs + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        row = (req.to(tl.int64) * NUM_HEADS + heads) * num_splits + split  # [GROUP_PAD]
+        p_ptrs = part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :]
+        keep = g_mask & (lo < hi)
+        tl.store(p_ptrs, o, mask=keep[:, None])
+        tl.store(part_lse_ptr + row, m_i + tl.log2(safe_l), mask=keep)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    window,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # see ember.kernels.launch.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    start, per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
+    # Only splits that saw keys wrote anything; the rest of the workspace is stale memory.
+    n_valid = tl.cdiv(tl.maximum(seq_len - start, 0), per_split)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    s_mask = offs_s < n_valid
+    row = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len == 0 (graph padding): output zeros
+    w = tl.where(s_mask, tl.exp2(lse - m), 0.0)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :],
+                    mask=s_mask[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+
+
+def decode_workspace_numel(batch: int, num_heads: int, head_size: int, num_splits: int) -> int:
+    """fp32 elements of split workspace: partial outputs plus one log-sum-exp per split."""
+    return batch * num_heads * num_splits * (head_pad(head_size) + 1)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    *,
+    logits_soft_cap: float | None = None,
+    max_seq_len: int | None = None,
+    workspace: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per request over its paged context.
+
+    q: [batch, num_heads, head_size]; kv_cache: [2, num_blocks, block_size, num_kv_heads,
+    head_size]; seq_lens: [batch] int32 (context length including the query token);
+    block_table: [batch, max_blocks] int32. Returns out [batch, num_heads, head_size].
+    ``num_splits=None`` picks from the batch (and ``max_seq_len`` when given); ``workspace``
+    (fp32, >= decode_workspace_numel(...)) avoids an allocation per call; ``config`` overrides
+    the device's tuned tables (ember.kernels.tuning). ``new_kv = (k, v,
+    slot_mapping)`` ([batch, num_kv_heads, head_size] x 2, [batch]) are the step's new keys and
+    values, not yet in the cache: the kernel stores them (slot -1: nothing) and attends to them.
+    """
+    batch, num_heads, head_size = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    assert num_heads % num_kv_heads == 0
+    assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.stride(-1) == 1
+    if batch == 0:
+        return out
+    sms = num_sms(q.device)
+    tuning = tuning_for(q.device)
+    if num_splits is None:
+        policy = config or default_config(head_size, tuning=tuning)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, policy, sms)
+    cfg = config or default_config(head_size, split=num_splits > 1,
+                                   latency=batch * num_kv_heads * num_splits <= sms,
+                                   tuning=tuning)
+    group = num_heads // num_kv_heads
+    hpad = head_pad(head_size)
+    sliding = sliding_window is not None and sliding_window > 0
+    direct = num_splits == 1
+    if direct:
+        part_out = part_lse = out  # unused by the kernel
+    else:
+        n_part = batch * num_heads * num_splits
+        need = n_part * (hpad + 1)
+        if workspace is None or workspace.numel() < need:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        part_out = workspace[: n_part * hpad]
+        part_lse = workspace[n_part * hpad : need]
+    common = dict(
+        window=sliding_window if sliding else 0,
+        num_splits=num_splits,
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=hpad,
+        BLOCK_N=cfg.block_n,
+        SLIDING=sliding,
+        **pdl_options(q),
+    )
+    if new_kv is not None:
+        k_new, v_new, slots = new_kv
+        assert k_new.stride(-1) == 1 and k_new.stride(-2) == head_size
+        assert v_new.stride(-1) == 1 and v_new.stride(-2) == head_size
+    else:
+        k_new = v_new = slots = q  # unused by the kernel
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        kv_cache,
+        seq_lens,
+        block_table,
+        out,
+        part_out,
+        part_lse,
+        k_new,
+        v_new,
+        slots,
+        scale=scale,
+        softcap=logits_soft_cap or 0.0,
+        stride_qt=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_ckv=kv_cache.stride(0),
+        stride_cb=kv_cache.stride(1),
+        stride_ct=kv_cache.stride(2),
+        stride_ch=kv_cache.stride(3),
+        stride_bt=block_table.stride(0),
+        stride_knt=k_new.stride(0),
+        stride_vnt=v_new.stride(0),
+        STORE_NEW=new_kv is not None,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        SOFTCAP=bool(logits_soft_cap),
+        DIRECT=direct,
+        DOT_PREC=dot_precision(kv_cache.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **common,
+    )
+    if not direct:
+        _reduce_kernel[(batch, num_heads)](
+            part_out,
+            part_lse,
+            seq_lens,
+            out,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4 if hpad >= 128 else 2,
+            **common,
+        )
+    return out

@@ -1,0 +1,56 @@
+"""Tuned tables for the NVIDIA H200 (bf16; measured with the ember.bench kernel benchmarks).
+
+Why these shapes: the no-split decode path is bandwidth-bound and likes 16 KB K tiles in three
+stages; split launches of several waves like fewer, longer-lived programs (32 KB tiles); split
+launches of at most one program per SM are bound by each program's chain of dependent loads, so
+smaller tiles shorten it. Head sizes 64 and 256 are scaled from 128 by bytes per tile. The
+small-batch linear rules stream the largest weights (past 32 Mi elements, taken at batch 1
+only) in 3-stage pipelines, give a few thousand outputs wide tiles in deep pipelines, and let
+the small models' layers prefetch the start of each weight row into L2 while the kernel before
+ends; few outputs over a long K split K in four.
+"""
+
+from __future__ import annotations
+
+from ember.kernels.tuning import (
+    DecodeConfig,
+    DeviceTuning,
+    LinearRule,
+    PrefillConfig,
+    SmallBatchLinearConfig,
+)
+
+_LARGE = 32 * 2**20  # weight elements past which a layer takes the kernel at batch 1 only
+
+TUNING = DeviceTuning(
+    decode={
+        64: DecodeConfig(block_n=128, num_warps=4, num_stages=3),
+        128: DecodeConfig(block_n=64, num_warps=4, num_stages=3),
+        256: DecodeConfig(block_n=32, num_warps=4, num_stages=3),
+    },
+    decode_split={
+        64: DecodeConfig(block_n=256, num_warps=4, num_stages=2),
+        128: DecodeConfig(block_n=128, num_warps=4, num_stages=2),
+        256: DecodeConfig(block_n=64, num_warps=4, num_stages=2),
+    },
+    decode_latency={
+        64: DecodeConfig(block_n=64, num_warps=4, num_stages=2),
+        128: DecodeConfig(block_n=64, num_warps=4, num_stages=2),
+        256: DecodeConfig(block_n=32, num_warps=4, num_stages=2),
+    },
+    prefill={
+        64: PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+        128: PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+        256: PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
+    },
+    small_batch_linear=(
+        LinearRule(SmallBatchLinearConfig(32, 256, num_stages=3), min_elements=_LARGE,
+                   more_outputs_than_inputs=True),
+        LinearRule(SmallBatchLinearConfig(32, 512, num_stages=3), min_elements=_LARGE),
+        LinearRule(SmallBatchLinearConfig(64, 128, num_stages=6), min_n=4096),
+        LinearRule(SmallBatchLinearConfig(32, 256, num_stages=5), min_k=4096),
+        LinearRule(SmallBatchLinearConfig(32, 256, 4, l2_prefetch=1024), max_n=1024, min_k=1536),
+        LinearRule(SmallBatchLinearConfig(32, 128, l2_prefetch=1024), max_elements=2**20),
+        LinearRule(SmallBatchLinearConfig(32, 256, l2_prefetch=1024)),
+    ),
+)
