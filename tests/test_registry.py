@@ -232,3 +232,104 @@ def test_class_in_interactive_main_is_reported_clearly():
 
 def test_repo_is_on_path():  # the helpers above rely on it
     assert (REPO / "ember" / "registry" / "__init__.py").exists()
+
+
+# ---- executors, capabilities as the one truth, the hook point ------------------------------
+
+def test_executor_registry_has_the_in_process_executor_without_importing_it():
+    proc = run_py("""
+        import json, sys
+        from ember.registry import ExecutorRegistry, REGISTRIES
+        entry = ExecutorRegistry.entry("uni")
+        print(json.dumps([entry.target, entry.owner, REGISTRIES["executors"] is ExecutorRegistry,
+                          "ember.executor.uniproc" in sys.modules]))
+    """)
+    assert last_json(proc) == ["ember.executor.uniproc:UniProcExecutor", "ember", True, False]
+
+
+def test_user_executor_registration_and_snapshot():
+    from ember.registry import ExecutorRegistry
+
+    ExecutorRegistry.register_executor("mine", TinyUserModel)
+    assert "mine" in ExecutorRegistry.get_supported_executors()
+    snap = reg.snapshot()
+    assert {e["name"] for e in snap["registries"]["executors"]} >= {"uni", "mine"}
+
+
+def _backend_class(**attrs):
+    from ember.attention_backends.base import AttentionBackend
+
+    return type("GraphBackend", (AttentionBackend,), attrs)
+
+
+def test_class_attribute_that_contradicts_the_registration_is_an_error():
+    cls = _backend_class(supports_cuda_graphs=True)
+    with pytest.raises(ValueError, match="supports_cuda_graphs=True.*cuda_graphs=False"):
+        AttentionBackendRegistry.register_backend("contradicts", cls, devices=["cpu"],
+                                                  dtypes=["float32"])
+    assert "contradicts" not in AttentionBackendRegistry
+    entry = AttentionBackendRegistry.register_backend("agrees", cls, devices=["cpu"],
+                                                      dtypes=["float32"], cuda_graphs=True)
+    assert entry.capabilities["cuda_graphs"] is True
+
+
+def test_class_attribute_left_at_the_contract_default_is_derived_from_the_registration():
+    cls = _backend_class()
+    AttentionBackendRegistry.register_backend("derived", cls, devices=["cuda"],
+                                              dtypes=["float16"], cuda_graphs=True)
+    assert cls.supports_cuda_graphs is True  # what the engine reads agrees with selection
+
+
+def test_builtin_and_example_classes_agree_with_their_registrations():
+    for name in ("sdpa", "triton", "flashinfer"):
+        cls = AttentionBackendRegistry.resolve(name)
+        assert cls.supports_cuda_graphs == AttentionBackendRegistry.entry(name).capabilities[
+            "cuda_graphs"]
+    for name in ("cpu", "cuda", "rocm"):
+        cls = PlatformRegistry.resolve(name)
+        assert cls.device_type == PlatformRegistry.entry(name).capabilities["device_type"]
+
+
+def test_platform_device_type_must_agree():
+    from ember.platforms.base import Platform
+
+    cls = type("OddPlatform", (Platform,), {"name": "odd", "device_type": "xpu"})
+    with pytest.raises(ValueError, match="device_type='xpu'.*device_type='cpu'"):
+        PlatformRegistry.register_platform("odd", cls, device_type="cpu")
+
+
+def test_registry_hook_point_runs_before_reads_and_carries_snapshot_sections():
+    from ember.registry import hooks
+
+    calls = []
+    seen = {}
+
+    def note() -> None:
+        calls.append(1)
+
+    hooks.add_before_read(note)
+    hooks.add_snapshot_section("test_section", lambda: {"x": 1}, seen.update)
+    try:
+        ModelRegistry.names()
+        assert calls
+        snap = reg.snapshot()
+        assert snap["test_section"] == {"x": 1} and "plugins" in snap
+        reg.restore(snap)
+        assert seen == {"x": 1}
+    finally:
+        hooks.remove_before_read(note)
+        hooks._sections.pop("test_section")
+
+
+def test_legacy_before_read_assignment_still_runs_with_a_deprecation_warning():
+    from ember.registry.base import LazyRegistry
+
+    calls = []
+    LazyRegistry.before_read = lambda: calls.append(1)
+    LazyRegistry._before_read_warned = False
+    try:
+        with pytest.warns(DeprecationWarning, match="hooks.add_before_read"):
+            ModelRegistry.names()
+        assert calls
+    finally:
+        LazyRegistry.before_read = None
