@@ -1,15 +1,11 @@
 #!/usr/bin/env bash
 # The device run (the lent H200): GPU tests, attention-kernel and engine benchmarks.
 # Usage there: scripts/gpu_suite.sh [PART...]   (with .whl carried; results under $OUT)
-# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 gemm gemmpdl optin pdlab
-# storesab latency
-# (default: the first six; profile1 profiles batch-1 decode of SmolLM2 and Llama-8B; gemm times
-# the small-batch linear kernel against cuBLAS; optin measures batch 1 with the decode-step
-# kernels EMBER_SMALL_BATCH_GEMV / EMBER_DECODE_STORES_KV off and on (OPTIN_VARIANTS="none
-# gemv stores both"); gemmpdl: the linear kernel's configs with PDL off and on, alone and after
-# a norm; pdlab: batch 1 with PDL / L2-prefetch variants (PDL_VARIANTS="0:- 1:- 1:1024");
-# storesab: Qwen3 throughput with EMBER_DECODE_STORES_KV=0 and 1; latency
-# times decode attention per layer at batch 1 and 4). One
+# Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 linear linearpdl latency
+# (default: the first six; ceilings also gives the shipped models' limits; profile1 profiles
+# batch-1 decode of SmolLM2 and Llama-8B; linear times the small-batch linear kernel against
+# cuBLAS; linearpdl: its configs with PDL off and on, alone and after a norm; latency times
+# decode attention per layer at batch 1 and 4). The kernel benchmarks are ember.bench modules. One
 # device call holds at most 10 minutes, so a full suite is split over two calls, e.g.
 #   scripts/gpu_suite.sh ceilings smollm qwen3 llama8b   then   scripts/gpu_suite.sh tests kernels
 # The device's copy of the tree may carry a stale git HEAD: prefix the command with
@@ -23,12 +19,13 @@ NANO="--num-prompts 256 --input-len 100 1024 --output-len 100 1024 --max-model-l
 export EMBER_STEP_TIMING=1  # per-phase host timing in every bench JSON (costs ~nothing)
 for part in $PARTS; do
   case $part in
-    ceilings) stage ceilings 40 python3 benchmarks/ceilings.py "$OUT/ceilings.json" ;;
+    ceilings) stage ceilings 60 python3 -m ember.bench.ceilings "$OUT/ceilings.json" --model \
+                ember/configs/smollm2-135m ember/configs/qwen3-0.6b ember/configs/llama-3.1-8b ;;
     # Cheapest first, -v so a stage cut by its time limit still shows what passed. FlashInfer
     # JIT-compiles every kernel variant on a fresh machine (~20-40 s each): its grid runs the
     # benchmark head size (128) only unless GRID_FILTER= (empty) is set.
     tests) stage gpu_tests 330 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --durations=15 \
-             tests/test_fused_ops.py tests/test_small_gemm.py tests/test_pdl.py \
+             tests/test_layer_kernels.py tests/test_small_batch_linear.py tests/test_pdl.py \
              tests/test_triton_attention.py \
              tests/test_gpu_engine.py \
              tests/test_gpu_backend_grid.py --junitxml="$OUT/gpu_tests.xml" \
@@ -46,46 +43,20 @@ for part in $PARTS; do
     compile) stage qwen3_compile 200 $BENCH --model ember/configs/qwen3-0.6b $NANO --no-baseline \
                --compile-model --single-output-len 512 --out "$OUT/qwen3_compile.json" ;;
     profile1) for model in smollm2-135m llama-3.1-8b; do
-                stage "profile1_$model" 120 python3 benchmarks/profile_steps.py \
+                stage "profile1_$model" 120 python3 -m ember.bench.profile_steps \
                   --model "ember/configs/$model" --num-requests 1 --input-len 128 128 \
                   --output-len 600 600 --skip 20 --steps 100 --out "$OUT/profile1_$model.txt"
               done ;;
-    gemm) stage small_gemm 120 python3 benchmarks/small_gemm.py --out "$OUT/small_gemm.json" ;;
-    # The decode-step kernels (EMBER_SMALL_BATCH_GEMV, EMBER_DECODE_STORES_KV): batch-1 decode
-    # (and a short throughput run) with none / each / both of them, in the same call.
-    optin) for variant in ${OPTIN_VARIANTS:-none gemv stores both}; do
-             gemv=0; stores=0
-             case $variant in gemv) gemv=1 ;; stores) stores=1 ;; both) gemv=1; stores=1 ;; esac
-             for model in smollm2-135m llama-3.1-8b; do
-               EMBER_SMALL_BATCH_GEMV=$gemv EMBER_DECODE_STORES_KV=$stores \
-                 stage "optin_${variant}_$model" 100 $BENCH --model "ember/configs/$model" \
-                 --num-prompts 16 --input-len 128 --output-len 128 --max-model-len 4096 \
-                 --no-baseline --single-output-len 512 --out "$OUT/optin_${variant}_$model.json"
-             done
-           done ;;
-    # Throughput with the decode kernel's K/V store off and on (the default), same call.
-    storesab) for stores in 0 1; do
-                EMBER_DECODE_STORES_KV=$stores stage "storesab_${stores}_qwen3" 130 $BENCH \
-                  --model ember/configs/qwen3-0.6b $NANO --no-baseline --single-output-len 64 \
-                  --out "$OUT/storesab_${stores}_qwen3.json"
-              done ;;
-    # Programmatic dependent launch and the linear kernel's L2 prefetch at batch 1: variants
-    # PDL:L2 (EMBER_PDL, EMBER_GEMV_L2_PREFETCH; "-" = the default), same call.
-    pdlab) for variant in ${PDL_VARIANTS:-0:- 1:-}; do
-             pdl=${variant%%:*}; l2=${variant##*:}; tag="pdl${pdl}_l2${l2/-/default}"
-             for model in ${PDL_MODELS:-smollm2-135m llama-3.1-8b}; do
-               ( [ "$l2" != - ] && export EMBER_GEMV_L2_PREFETCH=$l2; EMBER_PDL=$pdl \
-                 stage "pdlab_${tag}_$model" 100 $BENCH --model "ember/configs/$model" \
-                 --num-prompts 16 --input-len 128 --output-len 128 --max-model-len 4096 \
-                 --no-baseline --single-output-len 512 --out "$OUT/pdlab_${tag}_$model.json" )
-             done
-           done ;;
-    gemmpdl) stage small_gemm_pdl 150 python3 benchmarks/small_gemm.py --shapes llama8b qwen3 \
-               --rows 1 --pdl 0 1 --out "$OUT/small_gemm_pdl.json"
-             stage small_gemm_norm 150 python3 benchmarks/small_gemm.py --shapes llama8b \
-               --rows 1 --pdl 0 1 --norm --out "$OUT/small_gemm_norm.json" ;;
-    latency) stage decode_latency 150 python3 benchmarks/decode_latency.py --out "$OUT/decode_latency.json" ;;
-    kernels) stage kernels 60 python3 benchmarks/attention_kernels.py --quick --block-sizes 16 \
+    linear) stage small_batch_linear 120 python3 -m ember.bench.small_batch_linear \
+              --out "$OUT/small_batch_linear.json" ;;
+    linearpdl) stage small_batch_linear_pdl 150 python3 -m ember.bench.small_batch_linear \
+                 --shapes llama8b qwen3 --rows 1 --pdl 0 1 --out "$OUT/small_batch_linear_pdl.json"
+               stage small_batch_linear_norm 150 python3 -m ember.bench.small_batch_linear \
+                 --shapes llama8b --rows 1 --pdl 0 1 --norm \
+                 --out "$OUT/small_batch_linear_norm.json" ;;
+    latency) stage decode_latency 150 python3 -m ember.bench.decode_latency \
+               --out "$OUT/decode_latency.json" ;;
+    kernels) stage kernels 60 python3 -m ember.bench.attention_kernels --quick --block-sizes 16 \
                --out "$OUT/kernels.json" ;;
     *) echo "unknown part $part" ;;
   esac

@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-.venv/bin/ruff check ember tests benchmarks
+.venv/bin/ruff check ember tests
 exec .venv/bin/python -m pytest -q "$@"

@@ -1,1 +1,13 @@
-"""Benchmarks behind `ember bench` (throughput, latency, serve)."""
+"""Benchmarks: behind ``ember bench`` (``throughput``, ``serve``; also ``python -m ember.bench
+throughput|serve``) and, for the GPU kernels and engine internals, modules run as
+``python -m ember.bench.NAME``:
+
+    ceilings            copy bandwidth and matmul rate, and the limits they put on models
+    attention_kernels   decode attention bandwidth over configs (and flashinfer's)
+    decode_latency      decode attention per layer at small batch and short context
+    small_batch_linear  the small-batch linear kernel against cuBLAS per projection shape
+    profile_steps       device time per kernel and host time per engine step
+
+Helpers: ``workloads`` (synthetic prompts), ``roofline`` (limits from ceilings), ``timing``
+(graph replay and do_bench timing), ``provenance``, ``hf_weights``.
+"""

@@ -7,9 +7,9 @@ num_splits) and for flashinfer's BatchDecodeWithPagedKVCacheWrapper when importa
 implementation is first checked against torch SDPA in float32. Bandwidth = (K + V bytes of every
 context + q + out) / median time (triton.testing.do_bench, which flushes L2 between runs).
 
-    python benchmarks/attention_kernels.py --out decode.json            # default sweep
-    python benchmarks/attention_kernels.py --quick                      # defaults only
-Put the best config printed at the end into DECODE_CONFIGS in triton_ops/decode.py.
+    python -m ember.bench.attention_kernels --out decode.json     # default sweep
+    python -m ember.bench.attention_kernels --quick               # defaults only
+Put the best config printed at the end into the device's decode tables (ember.kernels.tuning).
 """
 
 from __future__ import annotations
@@ -22,25 +22,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+from ember.bench.timing import bench_ms, copy_bandwidth
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
 SHAPES = [(64, 4096), (8, 32768)]  # (batch, context)
-
-
-def bench_ms(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def copy_bandwidth(gib: float = 4.0) -> float:
-    """Bytes read + written per second by a large device-to-device copy (TB/s)."""
-    n = int(gib * 2**30) // 2
-    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
 
 
 def make_case(batch: int, ctx: int, block_size: int, seed: int = 0):
@@ -83,7 +68,7 @@ def sdpa_check(out, q, cache, seq_lens, block_table, scale, rows=(0, -1)) -> flo
 
 
 def ember_runner(q, cache, seq_lens, block_table, scale, cfg, splits):
-    from ember.attention_backends.triton_ops import decode_workspace_numel, paged_decode_attention
+    from ember.kernels.decode_attention import decode_workspace_numel, paged_decode_attention
 
     out = torch.empty_like(q)
     ws = None
@@ -122,9 +107,9 @@ def flashinfer_runner(q, cache, seq_lens, block_table, scale, use_tensor_cores=F
 
 
 def sweep_configs(quick: bool):
-    from ember.attention_backends.triton_ops import DecodeConfig
+    from ember.kernels.tuning import DecodeConfig
 
-    yield "default", None  # DECODE_CONFIGS / DECODE_SPLIT_CONFIGS, by split count
+    yield "default", None  # the device's tuned tables, by split count
     if quick:
         return
     for bn, nw, ns in itertools.product((32, 64, 128), (4, 8), (2, 3, 5)):
@@ -143,13 +128,15 @@ def split_choices(batch: int, quick: bool, explicit: str | None) -> list[int]:
 
 def bench_shape(batch, ctx, bs, copy_tbs, sms, args, rows, best) -> None:
     """Sweep one (batch, context, block size): configs at auto splits, then splits for the best."""
-    from ember.attention_backends.triton_ops.decode import choose_num_splits, default_config
+    from ember.kernels.decode_attention import choose_num_splits, default_config
+    from ember.kernels.tuning import tuning_for
 
     q, cache, seq_lens, block_table = make_case(batch, ctx, bs)
     scale = HEAD_SIZE**-0.5
     nbytes = bytes_moved(batch, ctx)
     shape = f"B{batch}xL{ctx}/bs{bs}"
-    auto = choose_num_splits(batch, NUM_KV_HEADS, ctx, default_config(HEAD_SIZE), sms)
+    auto = choose_num_splits(batch, NUM_KV_HEADS, ctx, default_config(HEAD_SIZE, tuning=tuning_for(q.device)),
+                             sms)
     print(f"\n== {shape}: {nbytes / 1e9:.2f} GB per call, auto splits = {auto}", flush=True)
 
     def measure(name, make):

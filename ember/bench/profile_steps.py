@@ -5,7 +5,7 @@ start, then records `--steps` decode steps with torch.profiler and prints the ke
 time, the device busy time per step and the wall time per step, so one sees whether a step is
 bound by the host (wall >> device) or by the device.
 
-Usage: python benchmarks/profile_steps.py --model ember/configs/qwen3-0.6b [--steps 20] [--out F]
+Usage: python -m ember.bench.profile_steps --model ember/configs/qwen3-0.6b [--steps 20] [--out F]
 Batch 1 (the single-stream case): add --num-requests 1 --input-len 128 128 --output-len 600 600
 """
 

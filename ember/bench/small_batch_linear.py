@@ -1,5 +1,6 @@
 """GPU benchmark of the linear layers at decode batch sizes: cuBLAS (F.linear) against ember's
-small-batch Triton kernel (ember.layers.linear), at the projection shapes of the shipped models.
+small-batch kernel (ember.kernels.small_batch_linear), at the projection shapes of the shipped
+models.
 
 Each timing replays a CUDA graph of back-to-back calls, as a decode step's graph does, so launch
 cost inside a graph is counted and host launch cost is not; per call = replay time / calls. The
@@ -10,29 +11,31 @@ elements of each W row prefetched into L2 and wAsB = A warps and B pipeline stag
 and 4). With --pdl 0 1 each is timed with programmatic dependent launch off and on (key suffix
 _pdl0 / _pdl1); --norm puts a fused RMSNorm before every call, as in a decoder layer (the norm
 is then in every time, cuBLAS's too).
-The kernel is checked against F.linear first. Sweeps (BLOCK_N, BLOCK_K) and prints, per shape,
-the best config and whether it beats cuBLAS; the model-level effect is what decides the default
-(EMBER_SMALL_BATCH_GEMV): run `ember bench throughput` with and without it.
+The kernel is checked against F.linear first. Sweeps the tiles and prints, per shape, the best
+config and whether it beats cuBLAS: the input to the device's rules in ember.kernels.tuning and
+to the weight-size limits in ember.layers.linear.
 
-    python benchmarks/small_gemm.py --out small_gemm.json [--shapes llama8b] [--pdl 0 1] [--norm]
+    python -m ember.bench.small_batch_linear --out small_batch_linear.json [--shapes llama8b]
+        [--pdl 0 1] [--norm]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
-
-from benchmarks.attention_kernels import copy_bandwidth  # noqa: E402
-from ember.layers.fused_ops import rms_norm  # noqa: E402
-from ember.layers.linear import GemmConfig, small_batch_linear, small_gemm_config  # noqa: E402
+from ember.bench.timing import copy_bandwidth, graph_time_us
+from ember.kernels import KernelConfig, use_kernel_config
+from ember.kernels.rms_norm import rms_norm
+from ember.kernels.small_batch_linear import (
+    SmallBatchLinearConfig,
+    small_batch_linear,
+    small_batch_linear_config,
+)
 
 SHAPES = {  # name: (out features N, in features K)
     "smollm2 qkv": (960, 576), "smollm2 o": (576, 576), "smollm2 gate_up": (3072, 576),
@@ -40,7 +43,7 @@ SHAPES = {  # name: (out features N, in features K)
     "qwen3 gate_up": (6144, 1024), "qwen3 down": (1024, 3072), "llama8b qkv": (6144, 4096),
     "llama8b o": (4096, 4096), "llama8b gate_up": (28672, 4096), "llama8b down": (4096, 14336),
 }
-CONFIGS = [GemmConfig(*c) for c in [
+CONFIGS = [SmallBatchLinearConfig(*c) for c in [
     (16, 128), (16, 256), (32, 128), (32, 256), (64, 128), (16, 512),
     (32, 256, 2), (32, 256, 4), (64, 128, 2), (64, 256, 4),
     (32, 128, 1, 1024), (32, 256, 1, 1024), (32, 256, 4, 1024),
@@ -54,25 +57,6 @@ MIN_CALLS, MAX_COPIES = 20, 256
 L2_FLUSH_BYTES = 200 * 2**20  # several times the H200's L2
 
 
-def graph_time_us(fn, calls: int = MIN_CALLS) -> float:
-    """fn(i) makes call i; per call time of ``calls`` calls replayed in one graph."""
-    fn(0)  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def time_calls(op, x: torch.Tensor, weights: list[torch.Tensor], norm: torch.Tensor | None,
                **kwargs) -> float:
     """Per-call time of op(x, w, **kwargs), the calls cycling over the weight copies; with a
@@ -84,8 +68,8 @@ def time_calls(op, x: torch.Tensor, weights: list[torch.Tensor], norm: torch.Ten
         lambda i: op(rms_norm(x, norm, 1e-6), weights[i % len(weights)], **kwargs), calls)
 
 
-def config_name(cfg: GemmConfig) -> str:
-    default = GemmConfig(0, 0)
+def config_name(cfg: SmallBatchLinearConfig) -> str:
+    default = SmallBatchLinearConfig(0, 0)
     return "{}x{}x{}{}{}".format(
         *cfg[:3], f"l{cfg.l2_prefetch}" if cfg.l2_prefetch else "",
         "" if cfg[4:] == default[4:] else f"w{cfg.num_warps}s{cfg.num_stages}")
@@ -98,12 +82,10 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=None,
                         help="only shapes whose name contains one of these (e.g. llama8b)")
     parser.add_argument("--pdl", nargs="+", default=None, choices=["0", "1"],
-                        help="time each config with EMBER_PDL set to each value")
+                        help="time each config with programmatic dependent launch off (0) / on (1)")
     parser.add_argument("--norm", action="store_true", help="a fused RMSNorm before each call")
     ns = parser.parse_args()
     pdl_values = ns.pdl or [None]
-    # The plain copy kernel (as benchmarks/ceilings.py): a memcpy node replayed in a graph
-    # read 2.78 TB/s here, against 4.27 for the same copy launched as a kernel.
     copy_bw = copy_bandwidth() * 1e12
     torch.cuda.empty_cache()
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
@@ -121,15 +103,16 @@ def main() -> None:
                 torch.testing.assert_close(small_batch_linear(x, ws[0], config=cfg).float(),
                                            F.linear(x, ws[0]).float(), atol=0.05, rtol=0.02)
             row = {"shape": name, "n": n, "k": k, "rows": m, "norm": ns.norm,
-                   "default_config": list(small_gemm_config(n, k))}
+                   "default_config": list(small_batch_linear_config(n, k, x.device))}
             for pdl in pdl_values:
                 suffix = "" if pdl is None else f"_pdl{pdl}"
-                if pdl is not None:
-                    os.environ["EMBER_PDL"] = pdl  # read at each launch, so at capture
-                row[f"cublas{suffix}_us"] = time_calls(F.linear, x, ws, norm)
-                for cfg in [None, *CONFIGS]:
-                    key = f"triton_{'default' if cfg is None else config_name(cfg)}{suffix}_us"
-                    row[key] = time_calls(small_batch_linear, x, ws, norm, config=cfg)
+                # Launch options are fixed as a graph is captured: each timing captures anew.
+                with (contextlib.nullcontext() if pdl is None
+                      else use_kernel_config(KernelConfig(pdl=pdl == "1"))):
+                    row[f"cublas{suffix}_us"] = time_calls(F.linear, x, ws, norm)
+                    for cfg in [None, *CONFIGS]:
+                        key = f"triton_{'default' if cfg is None else config_name(cfg)}{suffix}_us"
+                        row[key] = time_calls(small_batch_linear, x, ws, norm, config=cfg)
             row["cublas_us"] = min(v for key, v in row.items() if key.startswith("cublas"))
             best = min((v, key) for key, v in row.items() if key.startswith("triton_"))
             row["best_triton"] = best[1]

@@ -4,32 +4,30 @@ Batch-1 decode is bound by the sum of ~10 small kernels per layer, and the atten
 one of the larger ones there. This times ``paged_decode_attention`` (and the K/V store it needs)
 the way a decode step's CUDA graph runs it: one call per layer, each layer with its own cache so
 nothing is served from L2, 32 calls per replayed graph; per call = replay time / 32. It sweeps
-the split count and the tile size, with the K/V store as a separate kernel or inside the decode
-kernel (``new_kv``), for the attention shapes of the shipped models.
+the split count and the tile size, with the step's K/V stored by the decode kernel (``new_kv``)
+as the triton backend does, for the attention shapes of the shipped models.
 
-    python benchmarks/decode_latency.py --out decode_latency.json
+    python -m ember.bench.decode_latency --out decode_latency.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
-
-from benchmarks.small_gemm import graph_time_us  # noqa: E402
-from ember.attention_backends.triton_ops import store_kv  # noqa: E402
-from ember.attention_backends.triton_ops.decode import (  # noqa: E402
+from ember.bench.timing import graph_time_us
+from ember.kernels.decode_attention import (
     DecodeConfig,
     choose_num_splits,
     decode_workspace_numel,
     default_config,
     paged_decode_attention,
 )
+from ember.kernels.launch import num_sms
+from ember.kernels.tuning import tuning_for
 
 SHAPES = {"llama8b": (32, 8, 128), "qwen3": (16, 8, 128), "smollm2": (9, 3, 64)}
 LAYERS = 32
@@ -37,7 +35,7 @@ BLOCK_SIZE = 16
 
 
 def run_case(shape: tuple[int, int, int], batch: int, context: int, splits: int,
-             config: DecodeConfig | None, fused_store: bool) -> float:
+             config: DecodeConfig | None) -> float:
     num_heads, num_kv_heads, head_size = shape
     blocks_per_req = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_req
@@ -55,12 +53,9 @@ def run_case(shape: tuple[int, int, int], batch: int, context: int, splits: int,
                             device="cuda")
 
     def layer(i: int) -> None:
-        cache = caches[i]
-        if not fused_store:
-            store_kv(k, v, cache, slots)
-        paged_decode_attention(q, cache, seq_lens, block_table, 0.1, out=out,
+        paged_decode_attention(q, caches[i], seq_lens, block_table, 0.1, out=out,
                                num_splits=splits, workspace=workspace, config=config,
-                               new_kv=(k, v, slots) if fused_store else None)
+                               new_kv=(k, v, slots))
 
     return graph_time_us(layer, LAYERS)
 
@@ -71,34 +66,34 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 384, 640, 1024])
     ns = parser.parse_args()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    device = torch.device("cuda", torch.cuda.current_device())
+    sms = num_sms(device)
     results = []
     for name, shape in SHAPES.items():
         for batch in ns.batches:
-            graph_splits = choose_num_splits(batch, shape[1], None, default_config(shape[2]), sms)
+            policy = default_config(shape[2], tuning=tuning_for(device))
+            graph_splits = choose_num_splits(batch, shape[1], None, policy, sms)
             for context in ns.contexts:
                 best = None
                 for splits in sorted({1, 2, 4, 8, 16, graph_splits}):
                     configs = [None] if splits == 1 else [None, DecodeConfig(block_n=64, num_stages=2),
                                                          DecodeConfig(block_n=32, num_stages=2)]
                     for config in configs:
-                        for fused in (False, True):
-                            us = run_case(shape, batch, context, splits, config, fused)
-                            row = {"shape": name, "batch": batch, "context": context,
-                                   "splits": splits, "graph_default_splits": graph_splits,
-                                   "block_n": config.block_n if config else None,
-                                   "fused_store": fused, "us_per_layer": round(us, 2)}
-                            results.append(row)
-                            if best is None or us < best["us_per_layer"]:
-                                best = row
+                        us = run_case(shape, batch, context, splits, config)
+                        row = {"shape": name, "batch": batch, "context": context,
+                               "splits": splits, "graph_default_splits": graph_splits,
+                               "block_n": config.block_n if config else None,
+                               "us_per_layer": round(us, 2)}
+                        results.append(row)
+                        if best is None or us < best["us_per_layer"]:
+                            best = row
                 default = [r for r in results if r["shape"] == name and r["batch"] == batch
                            and r["context"] == context and r["splits"] == graph_splits
                            and r["block_n"] is None]
                 print(f"{name} b{batch} ctx{context}: graph default ({graph_splits} splits) "
-                      + " / ".join(f"{r['us_per_layer']} us{' fused' if r['fused_store'] else ''}"
-                                   for r in default)
+                      + " / ".join(f"{r['us_per_layer']} us" for r in default)
                       + f"; best {best['us_per_layer']} us at {best['splits']} splits "
-                        f"block_n {best['block_n']} fused {best['fused_store']}", flush=True)
+                        f"block_n {best['block_n']}", flush=True)
     if ns.out:
         Path(ns.out).write_text(json.dumps(results, indent=1))
 
