@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from ember.attention_backends.base import AttentionBackend
@@ -59,8 +60,8 @@ def choose_attention_backend(platform: Platform, model_config: ModelConfig,
     )
 
 
-def load_model(args: EngineArgs, platform: Platform, model_config: ModelConfig,
-               attn_backend: type[AttentionBackend], dtype) -> nn.Module:
+def build_model(args: EngineArgs, platform: Platform, model_config: ModelConfig,
+               attn_backend: type[AttentionBackend], dtype: torch.dtype) -> nn.Module:
     """The model class from the registry, its weights from the format's loader, then the
     quantization method when one is asked for."""
     from ember.models.loader.formats import load_weights
@@ -114,7 +115,7 @@ def build_worker(args: EngineArgs) -> BuiltWorker:
     model_config = resolve_model_config(args, platform)
     attn_backend = choose_attention_backend(platform, model_config, args.attention_backend)
     dtype = torch_dtype(model_config.dtype)
-    model = load_model(args, platform, model_config, attn_backend, dtype)
+    model = build_model(args, platform, model_config, attn_backend, dtype)
     runner = ModelRunner(model_config, attn_backend, platform, model, args.block_size)
     max_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     peak = platform.profile_peak_memory(lambda: runner.profile_run(max_tokens, args.max_num_seqs))
