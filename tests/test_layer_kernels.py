@@ -253,7 +253,7 @@ def _compare_decoders(fused: list[torch.Tensor], unfused: list[torch.Tensor]) ->
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_decoder_wiring_with_fused_ops_forced(arch, tmp_path, monkeypatch):
+def test_decoder_wiring_with_kernels_forced(arch, tmp_path, monkeypatch):
     """The layers' fused branches (residual threading, Qwen3 per-head norm on strided views,
     in-place rotary) give the torch path's hidden states; on the CPU the predicate is forced."""
     run = _decoder_runner(arch, "sdpa", torch.float16, tmp_path)

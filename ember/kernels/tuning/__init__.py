@@ -3,8 +3,8 @@
 The types of the tables (``DecodeConfig``, ``PrefillConfig``, ``SmallBatchLinearConfig`` and
 the shape rules that pick the latter) and ``DeviceTuning``, one set of tables per device. A
 device module (``nvidia_h200``) holds one ``DeviceTuning``; ``tuning_for(device)`` returns the
-entry whose key the CUDA device's name contains, and ``DEFAULT`` for every other device and for
-the CPU interpreter. The tables were measured on an H200 only, so ``DEFAULT`` is the H200's.
+entry whose key the CUDA device's name contains, and ``default_tuning()`` for every other device
+and for the CPU interpreter: the H200's tables, the only device they were measured on.
 To tune a device, run ``python -m ember.bench.attention_kernels``, ``decode_latency`` and
 ``small_batch_linear`` there and add a module with its tables to ``DEVICE_TUNINGS``.
 
