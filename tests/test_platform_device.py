@@ -215,6 +215,21 @@ def test_a_load_format_the_files_are_not_in_is_refused():
         weight_format(SimpleNamespace(load_format="safetensors", is_gguf=True, path="m.gguf"))
 
 
+def test_an_explicit_load_format_reaches_its_loader(tmp_path):
+    from test_gguf import write_gguf
+
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, "qwen2", tied=True)
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    outs = [LLM(path, load_format=fmt, skip_tokenizer_init=True, max_model_len=64)
+            .generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+            for fmt in ("auto", "gguf")]
+    assert outs[0] == outs[1] and len(outs[0]) == 3
+    with pytest.raises(ValueError, match="holds gguf weights"):
+        LLM(path, load_format="safetensors", skip_tokenizer_init=True, max_model_len=64)
+
+
 # ---- the device stays in ember/platforms -----------------------------------------------------
 @pytest.mark.parametrize("package", ["worker", "executor"])
 def test_no_worker_or_executor_module_names_a_device_api(package):
