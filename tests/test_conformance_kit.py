@@ -62,6 +62,85 @@ def test_backend_that_loses_cached_context_fails_naming_the_case():
                                                           scenarios=("decode",)))
 
 
+class NoImplCls(SdpaBackend.__mro__[1]):  # AttentionBackend itself, impl_cls() not overridden
+    name = "no_impl"
+
+
+class ImplWithoutForward(SdpaBackend):
+    @classmethod
+    def impl_cls(cls):
+        from ember.attention_backends.base import AttentionImpl
+
+        return type("Bare", (AttentionImpl,), {})
+
+
+class FlatInputImpl(SdpaImpl):
+    """Wrong: returns [T, H, D] instead of [T, H * D]."""
+
+    def forward(self, query, key, value, kv_cache, metadata):
+        return super().forward(query, key, value, kv_cache, metadata).view(query.shape)
+
+
+class FlatOutput(SdpaBackend):
+    @classmethod
+    def impl_cls(cls):
+        return FlatInputImpl
+
+
+class WritesPaddingImpl(SdpaImpl):
+    """Wrong: stores K/V at slot -1 (the last slot of the cache) instead of skipping it."""
+
+    def forward(self, query, key, value, kv_cache, metadata):
+        flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
+        pad = metadata.slot_mapping < 0
+        if pad.any():
+            flat[0, -1] = key[pad][-1]
+        return super().forward(query, key, value, kv_cache, metadata)
+
+
+class WritesPadding(SdpaBackend):
+    @classmethod
+    def impl_cls(cls):
+        return WritesPaddingImpl
+
+
+class GraphSafeSdpa(SdpaBackend):
+    """SDPA declared graph-safe, so the kit runs the runner-style padded decode batches."""
+
+    supports_cuda_graphs = True
+
+
+def test_contract_shape_is_checked_before_any_case():
+    with pytest.raises(AssertionError, match="must override the classmethod impl_cls"):
+        check_attention_backend(NoImplCls, grid=SMALL)
+    with pytest.raises(AssertionError, match="does not override forward"):
+        check_attention_backend(ImplWithoutForward, grid=SMALL)
+    with pytest.raises(AssertionError, match=r"expected \[T, num_heads \* head_size\]"):
+        check_attention_backend(FlatOutput, grid=SMALL)
+
+
+def test_a_write_at_slot_minus_one_fails():
+    with pytest.raises(AssertionError, match="changed the KV cache in a step whose slots are all -1"):
+        check_attention_backend(WritesPadding, grid=SMALL)
+
+
+def test_padded_decode_batches_are_built_as_the_graph_runner_builds_them():
+    from ember.testing.attention import _Allocator, build_step_metadata
+
+    alloc = _Allocator(4)
+    for req in (0, 1):
+        alloc.start(req, None)
+    build_step_metadata(alloc, [(0, 3), (1, 5)], torch.device("cpu"), None)
+    md, _ = build_step_metadata(alloc, [(0, 1), (1, 1)], torch.device("cpu"), pad_to=4)
+    assert md.num_actual_tokens == 2 and md.num_decode_tokens == 4
+    assert md.slot_mapping.tolist()[2:] == [-1, -1]
+    assert md.seq_lens_cpu == [4, 6, 0, 0] and md.query_start_loc_cpu == [0, 1, 2, 3, 4]
+    assert md.block_table[2:].eq(0).all()
+    lines = check_attention_backend(GraphSafeSdpa, grid=dict(
+        heads=((4, 2),), head_sizes=(32,), scenarios=("padded_decode",)))
+    assert lines and all(line.startswith("ok") for line in lines)
+
+
 def test_backend_with_wrong_gqa_mapping_fails():
     with pytest.raises(AssertionError, match="WrongGqa differs"):
         check_attention_backend(WrongGqa, grid=SMALL)
@@ -71,7 +150,7 @@ class Int8PerChannel:
     """A toy int8 weight-only method: per-output-channel scales."""
 
     def quantize(self, w):
-        scale = w.abs().amax(1, keepdim=True).float() / 127
+        scale = (w.abs().amax(1, keepdim=True).float() / 127).clamp(min=1e-12)  # zero rows
         return {"q": torch.round(w.float() / scale).to(torch.int8), "scale": scale}
 
     def dequantize(self, state):
@@ -87,6 +166,14 @@ class Int8ForgetsScale(Int8PerChannel):
         return (x.float() @ state["q"].float().T).to(x.dtype)
 
 
+class Int8DividesByZero(Int8PerChannel):
+    """Wrong: the scale of an all-zero row is 0, and 0 / 0 is NaN."""
+
+    def quantize(self, w):
+        scale = w.abs().amax(1, keepdim=True).float() / 127
+        return {"q": torch.round(w.float() / scale).to(torch.int8), "scale": scale}
+
+
 def test_quantization_check():
     lines = check_quantization_method(Int8PerChannel, max_weight_error=0.05)
     assert len(lines) == 2
@@ -94,6 +181,15 @@ def test_quantization_check():
         check_quantization_method(Int8ForgetsScale())
     with pytest.raises(AssertionError, match="round-trip|changes the"):
         check_quantization_method(Int8PerChannel, max_weight_error=1e-6)
+
+
+def test_quantization_check_catches_a_divide_by_zero_on_an_all_zero_row():
+    with pytest.raises(AssertionError, match=r"quantize computes NaN or inf \(in .*\).*all zeros"):
+        check_quantization_method(Int8DividesByZero())
+
+
+def test_builtin_int8_passes_the_kit():
+    assert check_quantization_method("int8", max_weight_error=0.05)
 
 
 def _llama_config():

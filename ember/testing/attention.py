@@ -8,8 +8,16 @@ backend keeps the standard cache layout) with the reference run through the same
 Caches start filled with random garbage, so a backend that reads unwritten or masked slots fails.
 
 Scenarios (each a sequence of steps of (request, new tokens)): prefill, decode, chunked prefill,
-prefix hits (a request whose first blocks are another's), a mixed batch, and a padded decode batch
-(CUDA-graph style: slot_mapping -1 rows beyond num_actual_tokens) for graph-safe backends.
+prefix hits (a request whose first blocks are another's), a mixed batch, and, for graph-safe
+backends, padded decode batches built as the CUDA-graph runner builds them: each padding row is a
+request of its own with one query token, slot -1 (write nothing) and seq_len 0 (no keys), counted
+in `num_decode_tokens` but not in `num_actual_tokens`. Every case also runs the step the engine's
+memory profiling runs: every slot -1 with `num_actual_tokens` counting all tokens, which must
+leave the cache untouched.
+
+Before any case the kit checks the contract's shape: the backend overrides `impl_cls()`, the impl
+overrides `forward`, and `forward` takes q `[T, num_heads, head_size]` (k, v `[T, num_kv_heads,
+head_size]`) and returns `[T, num_heads * head_size]` in q's dtype, without changing q.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ember.attention_backends.base import AttentionBackend, AttentionMetadata
+from ember.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
 from ember.registry.capabilities import canonical_dtype
 
 _TOL = {"float32": (2e-4, 2e-4), "float16": (3e-3, 3e-3), "bfloat16": (2.5e-2, 2.5e-2)}
@@ -35,7 +43,7 @@ class Scenario:
     name: str
     steps: list[list[tuple[int, int]]]
     shared: dict[int, tuple[int, int]] = field(default_factory=dict)
-    pad_to: int | None = None  # pad every step to this many tokens (graph-style batches)
+    pad_to: int | None = None  # pad decode steps to this many rows, as the CUDA-graph runner does
 
 
 def default_scenarios(block_size: int) -> list[Scenario]:
@@ -118,9 +126,16 @@ def build_step_metadata(
         tables.append(table)
         alloc.computed[req] = start + n
     num_tokens = len(slots)
-    total = max(pad_to or 0, num_tokens)
-    slots += [-1] * (total - num_tokens)
-    width = max(len(t) for t in tables)
+    if pad_to and num_decode == len(order) and num_tokens < pad_to:
+        # As the CUDA-graph runner pads a decode batch: one request per padding row, with one
+        # query token, no KV write (slot -1) and no keys (seq_len 0); block-table rows of block 0.
+        for _ in range(pad_to - num_tokens):
+            slots.append(-1)
+            qsl.append(qsl[-1] + 1)
+            seq_lens.append(0)
+            tables.append([])
+        num_decode = pad_to
+    width = max(1, max(len(t) for t in tables))
     table_t = torch.zeros(len(tables), width, dtype=torch.int32)
     for i, t in enumerate(tables):
         table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
@@ -131,7 +146,7 @@ def build_step_metadata(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_table=table_t.to(device),
         max_query_len=max(n for _, n in order),
-        max_seq_len=max(seq_lens),
+        max_seq_len=max(seq_lens[: len(order)]),
         query_start_loc_cpu=qsl,
         seq_lens_cpu=seq_lens,
         num_decode_tokens=num_decode,
@@ -142,8 +157,10 @@ def build_step_metadata(
 @torch.inference_mode()  # as the engine's model runner calls backends
 def _run(backend: type[AttentionBackend], case: dict[str, Any], scenario: Scenario,
          inputs: list[list[tuple[torch.Tensor, ...]]], device: torch.device,
-         dtype: torch.dtype, num_blocks: int, seed: int) -> tuple[list, list]:
-    """Outputs per step and layer, and the final caches, of `backend` on `scenario`."""
+         dtype: torch.dtype, num_blocks: int, seed: int,
+         padded: bool = True) -> tuple[list, list]:
+    """Outputs per step and layer, and the final caches, of `backend` on `scenario` (the
+    reference runs it unpadded: padding must not change the real rows)."""
     h, kvh, d, bs = case["num_heads"], case["num_kv_heads"], case["head_size"], case["block_size"]
     gen = torch.Generator().manual_seed(seed)
     shape = backend.kv_cache_shape(num_blocks, bs, kvh, d)
@@ -157,20 +174,74 @@ def _run(backend: type[AttentionBackend], case: dict[str, Any], scenario: Scenar
         for req, _ in step:
             if req not in alloc.blocks:
                 alloc.start(req, scenario.shared.get(req))
-        md, _ = build_step_metadata(alloc, step, device, scenario.pad_to)
+        md, _ = build_step_metadata(alloc, step, device, scenario.pad_to if padded else None)
         md = backend.build_metadata(md)
         outs = []
         for layer, (q, k, v) in enumerate(step_inputs):
+            rows = md.slot_mapping.shape[0]  # the step's tokens, padding rows included
+            q, k, v = q[:rows], k[:rows], v[:rows]
             q_in = q.clone()
             out = impls[layer].forward(q, k, v, caches[layer], md)
             if not torch.equal(q, q_in):
                 raise AssertionError(f"{backend.__name__} modified its query input in place")
             if tuple(out.shape) != (q.shape[0], h * d):
-                raise AssertionError(f"{backend.__name__} returned shape {tuple(out.shape)}, "
-                                     f"expected {(q.shape[0], h * d)}")
+                raise AssertionError(f"{backend.__name__} returned shape {tuple(out.shape)} for q "
+                                     f"of shape {tuple(q.shape)}; expected [T, num_heads * "
+                                     f"head_size] = {(q.shape[0], h * d)}")
+            if out.dtype != q.dtype:
+                raise AssertionError(f"{backend.__name__} returned {out.dtype} for {q.dtype} "
+                                     f"inputs; the output must be in the query's dtype")
             outs.append(out[: md.num_actual_tokens].float().cpu())
         outputs.append(outs)
     return outputs, caches
+
+
+def check_backend_contract(backend_cls: type[AttentionBackend]) -> type[AttentionImpl]:
+    """The backend's impl class, after checking what the runner relies on before any step."""
+    name = getattr(backend_cls, "__name__", repr(backend_cls))
+    if not isinstance(backend_cls, type):
+        raise AssertionError(f"{name} is not a class: pass the AttentionBackend subclass")
+    if getattr(backend_cls.impl_cls, "__func__", None) is AttentionBackend.impl_cls.__func__:
+        raise AssertionError(f"{name} must override the classmethod impl_cls() to return its "
+                             "AttentionImpl subclass")
+    impl = backend_cls.impl_cls()
+    if not isinstance(impl, type):
+        raise AssertionError(f"{name}.impl_cls() returned {impl!r}, not a class")
+    if getattr(impl, "forward", AttentionImpl.forward) is AttentionImpl.forward:
+        raise AssertionError(f"{name}.impl_cls() returned {impl.__name__}, which does not "
+                             "override forward()")
+    return impl
+
+
+@torch.inference_mode()
+def _check_profile_step(backend: type[AttentionBackend], case: dict[str, Any],
+                        device: torch.device, dtype: torch.dtype, seed: int) -> None:
+    """The memory-profiling step: all tokens real, every slot -1: nothing may be written."""
+    h, kvh, d, bs = case["num_heads"], case["num_kv_heads"], case["head_size"], case["block_size"]
+    gen = torch.Generator().manual_seed(seed)
+    alloc = _Allocator(bs)
+    step = [(0, bs + 3), (1, 2)]
+    for req, _ in step:
+        alloc.start(req, None)
+    md, _ = build_step_metadata(alloc, step, device, None)
+    md.slot_mapping = torch.full_like(md.slot_mapping, -1)
+    md.block_table = torch.zeros_like(md.block_table)
+    md = backend.build_metadata(md)
+    cache = (torch.randn(backend.kv_cache_shape(4, bs, kvh, d), generator=gen) * 3).to(
+        device=device, dtype=dtype)
+    before = cache.clone()
+    t = md.num_actual_tokens
+    q, k, v = (torch.randn(t, n, d, generator=gen).to(device=device, dtype=dtype)
+               for n in (h, kvh, kvh))
+    impl = backend.impl_cls()(h, d, d**-0.5, kvh, case["sliding_window"], case["soft_cap"])
+    out = impl.forward(q, k, v, cache, md)
+    if tuple(out.shape) != (t, h * d):
+        raise AssertionError(f"{backend.__name__} returned shape {tuple(out.shape)} in a step "
+                             f"whose slots are all -1; expected {(t, h * d)}")
+    if not torch.equal(cache, before):
+        raise AssertionError(f"{backend.__name__} changed the KV cache in a step whose slots are "
+                             "all -1 (the engine's memory-profiling step: slot -1 means write "
+                             "nothing)")
 
 
 def _scenario_inputs(scenario: Scenario, case: dict[str, Any], device: torch.device,
@@ -207,6 +278,7 @@ def check_attention_backend(
     if isinstance(grid, dict):
         grid = AttentionGrid(**grid)
     grid = grid or AttentionGrid()
+    check_backend_contract(backend_cls)
     dev = torch.device(device)
     report = []
     for dtype_name, d, (h, kvh), bs, window, cap in itertools.product(
@@ -231,7 +303,7 @@ def check_attention_backend(
             got, got_caches = _run(backend_cls, case, scenario, inputs, dev, dtype,
                                    num_blocks, seed + 1)
             want, want_caches = _run(reference, case, scenario, inputs, dev, dtype,
-                                     num_blocks, seed + 2)
+                                     num_blocks, seed + 2, padded=False)
             worst = 0.0
             for step_i, (g_step, w_step) in enumerate(zip(got, want, strict=True)):
                 for layer, (g, w) in enumerate(zip(g_step, w_step, strict=True)):
@@ -247,6 +319,7 @@ def check_attention_backend(
             _check_written_cache(backend_cls, reference, got_caches, want_caches, scenario, bs,
                                  name)
             report.append(f"ok  {name}: max abs error {worst:.3g}")
+        _check_profile_step(backend_cls, case, dev, dtype, seed + 3)
     return report
 
 

@@ -10,6 +10,12 @@ The method is checked through three calls (the linear-layer side of a quantizati
 shape, batch size and dtype of the grid: a fused kernel may not compute something other than
 what its own weights mean. Optionally the round trip quantize/dequantize must stay within
 `max_weight_error` of the original weight (the method's stated precision).
+
+Every weight has an all-zero row (real checkpoints have them: pruned or padded channels). A method
+that computes a per-row scale from the row's largest magnitude must not divide by it unguarded.
+0 / 0 is NaN, and casting NaN to an integer type is undefined (0 on some devices, garbage on
+others), so the kit watches every torch operation inside `quantize` for a NaN or infinite result,
+checks that dequantize gives finite values, and that the zero row comes back as zeros.
 """
 
 from __future__ import annotations
@@ -18,10 +24,26 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ember.registry.capabilities import canonical_dtype
 
 _TOL = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (5e-2, 5e-2)}
+
+
+class _NonFiniteWatch(TorchFunctionMode):
+    """Remembers the first torch operation whose floating-point result has a NaN or inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if (self.first is None and isinstance(out, torch.Tensor) and out.is_floating_point()
+                and out.numel() and not bool(torch.isfinite(out).all())):
+            self.first = getattr(func, "__name__", str(func))
+        return out
 
 
 def _method(method: Any) -> Any:
@@ -55,13 +77,28 @@ def check_quantization_method(
         dtype = getattr(torch, dtype_name)
         tol_a, tol_r = _TOL[dtype_name]
         for out_f, in_f in shapes:
-            weight = (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(device, dtype)
+            weight = torch.randn(out_f, in_f, generator=gen) / in_f**0.5
+            weight[out_f // 2] = 0.0  # an all-zero row
+            weight = weight.to(device, dtype)
             b = torch.randn(out_f, generator=gen).to(device, dtype) if bias else None
-            state = impl.quantize(weight)
+            with _NonFiniteWatch() as watch:
+                state = impl.quantize(weight)
+            if watch.first is not None:
+                raise AssertionError(
+                    f"{label}.quantize computes NaN or inf (in {watch.first}) for the "
+                    f"{out_f}x{in_f} weight, whose row {out_f // 2} is all zeros: is a scale of "
+                    f"0 divided by? Clamp it, e.g. scale.clamp(min=1e-12)")
             deq = impl.dequantize(state)
             if tuple(deq.shape) != (out_f, in_f):
                 raise AssertionError(f"{label}.dequantize gave shape {tuple(deq.shape)}, "
                                      f"expected {(out_f, in_f)}")
+            if not torch.isfinite(deq).all():
+                raise AssertionError(
+                    f"{label}.dequantize gives non-finite values for the {out_f}x{in_f} weight, "
+                    f"whose row {out_f // 2} is all zeros")
+            if deq[out_f // 2].abs().max().item() != 0.0:
+                raise AssertionError(f"{label}: an all-zero weight row does not dequantize to "
+                                     f"zeros")
             werr = (deq.float() - weight.float()).abs().max().item()
             if max_weight_error is not None and werr > max_weight_error:
                 raise AssertionError(f"{label}: quantize/dequantize changes the {out_f}x{in_f} "
