@@ -139,7 +139,7 @@ class RecordingBackend(AttentionBackend):
 
 
 def _graph_runner(platform):
-    from ember.worker.cuda_graph import CudaGraphRunner
+    from ember.worker.graph_runner import GraphRunner
     from ember.worker.input_stager import InputStager
 
     def model(input_ids, positions, ctx):
@@ -151,7 +151,7 @@ def _graph_runner(platform):
         model_config=SimpleNamespace(max_model_len=64), kv_caches=[], model=model,
         stager=InputStager(platform),
     )
-    return CudaGraphRunner(runner, max_batch_size=4, max_blocks_per_req=4)
+    return GraphRunner(runner, max_batch_size=4, max_blocks_per_req=4)
 
 
 def test_graph_runner_captures_and_replays_through_the_platform():
@@ -180,7 +180,7 @@ def test_graph_runner_captures_and_replays_through_the_platform():
 
 def test_backends_without_a_replay_hook_are_not_asked():
     from ember.attention_backends.sdpa import SdpaBackend
-    from ember.worker.cuda_graph import _overrides_replay_hook
+    from ember.worker.graph_runner import _overrides_replay_hook
 
     assert not _overrides_replay_hook(SdpaBackend)
     assert _overrides_replay_hook(RecordingBackend)

@@ -123,7 +123,7 @@ def build_worker(args: EngineArgs) -> BuiltWorker:
     runner.initialize_kv_cache(num_blocks)
     capture_seconds = 0.0
     if captures_graphs(args, platform, attn_backend):
-        capture_seconds = runner.capture_cuda_graphs(min(args.max_num_seqs, MAX_GRAPH_BATCH_SIZE))
+        capture_seconds = runner.capture_graphs(min(args.max_num_seqs, MAX_GRAPH_BATCH_SIZE))
     if args.compile_model:
         # After graph capture: decode graphs hold the eager kernels (fused ones on CUDA);
         # the compiled model serves the steps that run eagerly (prefill, mixed, large).

@@ -26,7 +26,7 @@ from ember.worker.input_stager import InputStager
 
 if TYPE_CHECKING:
     from ember.platforms.base import Platform
-    from ember.worker.cuda_graph import CudaGraphRunner
+    from ember.worker.graph_runner import GraphRunner
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -77,7 +77,7 @@ class ModelRunner:
         # Requests whose sampling is more than an argmax; while none run, a step skips the check.
         self.special_sampling_reqs: set[str] = set()
         self.kv_caches: list[torch.Tensor] = []
-        self.graph_runner: CudaGraphRunner | None = None
+        self.graph_runner: GraphRunner | None = None
         self.sampler = Sampler()
         self.stager = InputStager(platform)
         self.in_flight: InFlightStep | None = None  # the last launched step
@@ -110,13 +110,13 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)
         ]
 
-    def capture_cuda_graphs(self, max_batch_size: int) -> float:
+    def capture_graphs(self, max_batch_size: int) -> float:
         """Capture decode graphs (the builder checks that platform and backend both support
         them); returns the seconds taken."""
-        from ember.worker.cuda_graph import CudaGraphRunner
+        from ember.worker.graph_runner import GraphRunner
 
         max_blocks = -(-self.model_config.max_model_len // self.block_size)
-        self.graph_runner = CudaGraphRunner(self, max_batch_size, max_blocks)
+        self.graph_runner = GraphRunner(self, max_batch_size, max_blocks)
         self.graph_runner.capture()
         return self.graph_runner.capture_seconds
 

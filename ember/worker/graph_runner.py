@@ -1,4 +1,4 @@
-"""CudaGraphRunner: decode steps replayed from device graphs captured per padded batch size.
+"""GraphRunner: decode steps replayed from device graphs captured per padded batch size.
 
 A pure-decode step (every request has one new token) with at most `max_batch_size` requests is
 padded up to the next captured size; its inputs are copied into persistent device buffers that
@@ -40,7 +40,7 @@ def _overrides_replay_hook(backend: type[AttentionBackend]) -> bool:
     return hook is not AttentionBackend.prepare_for_replay.__func__  # type: ignore[attr-defined]
 
 
-class CudaGraphRunner:
+class GraphRunner:
     def __init__(self, runner, max_batch_size: int, max_blocks_per_req: int) -> None:
         self.runner = runner
         self.platform = runner.platform
@@ -102,7 +102,7 @@ class CudaGraphRunner:
         platform.synchronize()
         self.seq_lens.zero_()
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (batch 1..%d) in %.1f s", len(self.sizes),
+        logger.info("captured %d decode graphs (batch 1..%d) in %.1f s", len(self.sizes),
                     self.max_batch_size, self.capture_seconds)
 
     def can_run(self, batch: FlatBatch) -> bool:
