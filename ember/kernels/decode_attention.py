@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.attention_common import NEG_BIG, scaled_scores
-from ember.kernels.launch import dot_precision, head_pad, num_sms, pdl_options
+from ember.kernels.launch import cdiv, dot_precision, head_pad, next_power_of_2, num_sms, pdl_options
 from ember.kernels.tuning import DecodeConfig, DeviceTuning, tuning_for
 
 __all__ = [
@@ -51,7 +51,7 @@ def default_config(head_size: int, split: bool = False, latency: bool = False,
 
 def _wave_efficiency(programs: int, wave: int) -> float:
     """Fraction of the launched waves' slots that hold a program."""
-    return programs / (triton.cdiv(programs, wave) * wave)
+    return programs / (cdiv(programs, wave) * wave)
 
 
 def choose_num_splits(
@@ -74,7 +74,7 @@ def choose_num_splits(
     if max_seq_len is None:
         max_splits = config.graph_max_splits
     else:
-        max_splits = min(config.max_splits, triton.cdiv(max_seq_len, config.min_split_tokens))
+        max_splits = min(config.max_splits, cdiv(max_seq_len, config.min_split_tokens))
     split_wave = sms * config.programs_per_sm
     # At most four waves: more only adds reduce work and shorter, less efficient programs.
     max_splits = min(max_splits, 4 * split_wave // base)
@@ -381,7 +381,7 @@ def paged_decode_attention(
         stride_vnt=v_new.stride(0),
         STORE_NEW=new_kv is not None,
         GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_PAD=max(16, next_power_of_2(group)),
         BLOCK_SIZE=block_size,
         SOFTCAP=bool(logits_soft_cap),
         DIRECT=direct,
@@ -396,7 +396,7 @@ def paged_decode_attention(
             part_lse,
             seq_lens,
             out,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SPLITS_PAD=next_power_of_2(num_splits),
             num_warps=4 if hpad >= 128 else 2,
             **common,
         )

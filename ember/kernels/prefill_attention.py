@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.attention_common import NEG_BIG, scaled_scores
-from ember.kernels.launch import dot_precision, head_pad
+from ember.kernels.launch import cdiv, dot_precision, head_pad, next_power_of_2
 from ember.kernels.tuning import PrefillConfig, tuning_for
 
 __all__ = ["PrefillConfig", "default_config", "paged_prefill_attention"]
@@ -184,12 +184,12 @@ def paged_prefill_attention(
     hpad = head_pad(head_size)
     cfg = config or default_config(head_size, q.device)
     group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    group_pad = next_power_of_2(group)
     # Rows per program stay ~block_m (and >= 16 for tl.dot) whatever the group size.
-    block_q = max(cfg.block_m // group_pad, triton.cdiv(16, group_pad), 1)
-    block_q = min(block_q, max(triton.next_power_of_2(max_query_len), triton.cdiv(16, group_pad)))
+    block_q = max(cfg.block_m // group_pad, cdiv(16, group_pad), 1)
+    block_q = min(block_q, max(next_power_of_2(max_query_len), cdiv(16, group_pad)))
     sliding = sliding_window is not None and sliding_window > 0
-    grid = (num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    grid = (num_reqs, num_kv_heads, cdiv(max_query_len, block_q))
     _prefill_kernel[grid](
         q,
         kv_cache,

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.launch import next_power_of_2
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -94,7 +96,7 @@ def store_kv(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
         BLOCK_SIZE=block_size,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_PAD=triton.next_power_of_2(head_size),
+        HEADS_PAD=next_power_of_2(num_kv_heads),
+        HEAD_PAD=next_power_of_2(head_size),
         num_warps=1 if num_kv_heads * head_size <= 512 else 4,
     )
