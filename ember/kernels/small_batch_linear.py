@@ -10,6 +10,8 @@ ember.kernels.tuning; which layers take the kernel is ember.layers.linear's choi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +25,7 @@ from ember.kernels.launch import (
     pdl_options,
 )
 from ember.kernels.tuning import SMALL_BATCH_LINEAR_MAX_ROWS as MAX_ROWS
-from ember.kernels.tuning import SmallBatchLinearConfig, tuning_for
+from ember.kernels.tuning import DeviceTuning, SmallBatchLinearConfig, tuning_for
 
 __all__ = ["MAX_ROWS", "SmallBatchLinearConfig", "small_batch_linear", "small_batch_linear_config"]
 
@@ -93,7 +95,13 @@ def _small_batch_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counte
 def small_batch_linear_config(n: int, k: int,
                               device: torch.device | None = None) -> SmallBatchLinearConfig:
     """The tuned tiles for an [n, k] weight on ``device`` (ember.kernels.tuning)."""
-    return tuning_for(device).linear_config(n, k)
+    return _tuned_config(tuning_for(device), n, k)
+
+
+# Cached: eager steps ask for every projection of every layer, and the rules are pure.
+@functools.lru_cache(maxsize=1024)
+def _tuned_config(tuning: DeviceTuning, n: int, k: int) -> SmallBatchLinearConfig:
+    return tuning.linear_config(n, k)
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
