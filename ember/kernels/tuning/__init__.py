@@ -6,7 +6,7 @@ device module (``nvidia_h200``) holds one ``DeviceTuning``; ``tuning_for(device)
 entry whose key the CUDA device's name contains, and ``default_tuning()`` for every other device
 and for the CPU interpreter: the H200's tables, the only device they were measured on.
 To tune a device, run ``python -m ember.bench.attention_kernels``, ``decode_latency`` and
-``small_batch_linear`` there and add a module with its tables to ``DEVICE_TUNINGS``.
+``small_batch_linear`` there, add a module with its tables and name it in ``_device_tunings``.
 
 Nothing here imports torch or triton except ``tuning_for`` (torch, for the device name).
 """
@@ -111,11 +111,13 @@ class DeviceTuning:
 
 
 def _device_tunings() -> dict[str, DeviceTuning]:
+    """Each device's tables by a part of its CUDA device name (the modules import this one)."""
     from ember.kernels.tuning import nvidia_h200
 
     return {"H200": nvidia_h200.TUNING}
 
 
+@functools.cache
 def default_tuning() -> DeviceTuning:
     from ember.kernels.tuning import nvidia_h200
 
