@@ -17,11 +17,16 @@ import time
 
 import torch
 
-from ember import SamplingParams
+from ember import LLMEngine, SamplingParams
 from ember.bench.workloads import random_workload
 from ember.config import EngineArgs
-from ember.core.engine import LLMEngine
 from ember.sampling_params import RequestOutputKind
+
+
+def _engine_core(engine: LLMEngine):
+    """The part that holds the scheduler and the executor: the in-process engine core behind
+    the front end where there is one, else the engine itself."""
+    return getattr(getattr(engine, "client", None), "core", engine)
 
 
 def _time_calls(obj, names: list[str], totals: dict[str, float]) -> None:
@@ -46,12 +51,13 @@ def host_breakdown(engine: LLMEngine, steps: int) -> dict[str, float]:
     import ember.worker.model_runner as model_runner_module
 
     totals: dict[str, float] = defaultdict(float)
-    runner = engine.executor.runner
+    core = _engine_core(engine)
+    runner = core.executor.runner
     _time_calls(runner, ["_update_states", "_fill_placeholders", "_sample", "launch"], totals)
     _time_calls(runner.stager, ["begin", "end"], totals)
     if runner.graph_runner is not None:
         _time_calls(runner.graph_runner, ["run"], totals)
-    _time_calls(engine.scheduler, ["schedule", "update_from_output"], totals)
+    _time_calls(core.scheduler, ["schedule", "update_from_output"], totals)
     _time_calls(engine.output_processor, ["process"], totals)
     _time_calls(model_runner_module, ["build_flat_batch"], totals)
     start = time.perf_counter()
@@ -107,7 +113,7 @@ def main() -> None:
     table = events.table(sort_by="self_device_time_total", row_limit=25)
     host = events.table(sort_by="self_cpu_time_total", row_limit=25)
     summary = {
-        "model": ns.model, "steps": ns.steps, "running": len(engine.scheduler.running),
+        "model": ns.model, "steps": ns.steps, "running": len(_engine_core(engine).scheduler.running),
         "plain_wall_ms_per_step": plain_ms,
         "profiled_wall_ms_per_step": 1000 * wall / ns.steps,
         "device_busy_ms_per_step": device_us / 1000 / ns.steps,
