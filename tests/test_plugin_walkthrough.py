@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from plugin_utils import REPO, run_py
 
 WALKTHROUGH = REPO / "docs" / "plugin-walkthrough.md"
@@ -31,3 +32,21 @@ def test_walkthrough_code_runs_and_its_checks_pass(tmp_path):
     assert len(model) == 6, proc.stdout  # three prompts, untied and tied
     assert any("window=5" in line for line in backend)
     assert any("soft_cap=20.0" in line for line in backend)
+
+
+def test_quantization_example_in_plugins_md_passes_the_kit():
+    """The guide's MyInt8Method, as printed, passes the kit (all-zero rows included); the same
+    code without the clamp is caught."""
+    from ember.testing import check_quantization_method
+
+    text = (REPO / "docs" / "plugins.md").read_text(encoding="utf-8")
+    source = next(b for b in CODE_BLOCK.findall(text) if "class MyInt8Method" in b)
+    namespace: dict = {}
+    exec(compile(source, "plugins.md:MyInt8Method", "exec"), namespace)  # noqa: S102
+    assert check_quantization_method(namespace["MyInt8Method"], max_weight_error=0.05)
+
+    unguarded = source.replace(".clamp(min=1e-12)", "")
+    assert unguarded != source
+    exec(compile(unguarded, "plugins.md:unguarded", "exec"), namespace)  # noqa: S102
+    with pytest.raises(AssertionError, match="NaN or inf"):
+        check_quantization_method(namespace["MyInt8Method"])
