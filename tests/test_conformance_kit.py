@@ -213,3 +213,32 @@ def test_model_check_passes_for_ember_llama_and_catches_a_broken_one():
     config.architectures = ["LlamaForCausalLM"]
     with pytest.raises(AssertionError, match="LlamaForCausalLM: logits of prompt"):
         check_model_against_transformers(LlamaWithoutRope, config, max_new_tokens=4)
+
+
+class IgnoresWindowImpl(SdpaImpl):
+    """Wrong: attends to every earlier key even when the layer has a sliding window."""
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, sliding_window=None,
+                 logits_soft_cap=None):
+        super().__init__(num_heads, head_size, scale, num_kv_heads, None, logits_soft_cap)
+
+
+class IgnoresWindow(SdpaBackend):
+    @classmethod
+    def impl_cls(cls):
+        return IgnoresWindowImpl
+
+
+def test_default_grid_follows_the_registration():
+    from ember.registry import AttentionBackendRegistry, isolated
+    from ember.testing.attention import default_grid
+
+    assert default_grid(IgnoresWindow).sliding_windows == (None,)  # not registered
+    with isolated():
+        AttentionBackendRegistry.register_backend("ignores_window", IgnoresWindow,
+                                                  devices=["cpu"], dtypes=["float32"],
+                                                  head_sizes=[32], sliding_window=True)
+        grid = default_grid(IgnoresWindow)
+        assert grid.sliding_windows == (None, 7) and grid.head_sizes == (32,)
+        with pytest.raises(AssertionError, match=r"IgnoresWindow differs .*window=7"):
+            check_attention_backend(IgnoresWindow)

@@ -196,6 +196,28 @@ def _run(backend: type[AttentionBackend], case: dict[str, Any], scenario: Scenar
     return outputs, caches
 
 
+def _declared_capabilities(backend_cls: Any) -> dict[str, Any] | None:
+    """The capabilities `backend_cls` is registered with, if it is registered."""
+    from ember.registry import AttentionBackendRegistry
+
+    target = f"{getattr(backend_cls, '__module__', '')}:{getattr(backend_cls, '__qualname__', '')}"
+    for entry in AttentionBackendRegistry.entries():
+        if entry.target == target:
+            return entry.capabilities
+    return None
+
+
+def default_grid(backend_cls: Any) -> AttentionGrid:
+    """The default grid, fitted to what the backend's registration declares."""
+    caps = _declared_capabilities(backend_cls)
+    if caps is None:
+        return AttentionGrid()
+    sizes = caps.get("head_sizes", "any")
+    head_sizes = (64,) if sizes == "any" or 64 in sizes else (int(sizes[0]),)
+    windows = (None, 7) if caps.get("sliding_window") else (None,)
+    return AttentionGrid(head_sizes=head_sizes, sliding_windows=windows)
+
+
 def check_backend_contract(backend_cls: type[AttentionBackend]) -> type[AttentionImpl]:
     """The backend's impl class, after checking what the runner relies on before any step."""
     name = getattr(backend_cls, "__name__", repr(backend_cls))
@@ -272,12 +294,14 @@ def check_attention_backend(
     seed: int = 0,
 ) -> list[str]:
     """Compare `backend_cls` with the SDPA reference over the grid; AssertionError on the first
-    mismatch (naming the case), else one summary line per case."""
+    mismatch (naming the case), else one summary line per case. Without a grid, a registered
+    backend is run at what its registration declares: a sliding window when it declares
+    `sliding_window=True`, and one of its declared head sizes."""
     if reference is None:
         from ember.attention_backends.sdpa import SdpaBackend as reference
     if isinstance(grid, dict):
         grid = AttentionGrid(**grid)
-    grid = grid or AttentionGrid()
+    grid = grid or default_grid(backend_cls)
     check_backend_contract(backend_cls)
     dev = torch.device(device)
     report = []
