@@ -442,3 +442,17 @@ def test_registration_module_importing_torch_gets_a_warning(tmp_path):
     plugins, _ = _load(tmp_path, EMBER_PLUGINS="heavy")
     assert plugins["heavy"]["status"] == "loaded"
     assert any("imported torch" in w for w in plugins["heavy"]["warnings"])
+
+
+def test_a_plugin_registers_an_executor_through_its_hook(tmp_path):
+    write_plugin(tmp_path, "exec-plugin", {"execp": "execp_plugin"}, {"execp_plugin": """
+        from ember.plugins import hookimpl
+
+        @hookimpl
+        def ember_register_executors(registry, api_version):
+            registry.register_executor("remote", "execp_impl:RemoteExecutor")
+    """})
+    plugins, entries = _load(tmp_path, EMBER_PLUGINS="execp")
+    assert plugins["execp"]["status"] == "loaded" and not plugins["execp"]["warnings"]
+    assert plugins["execp"]["registered"] == ["executors:remote"]
+    assert entries["executors"]["remote"] == ["exec-plugin", "1.0", "execp"]
