@@ -21,6 +21,7 @@ import torch
 
 import ember.attention_backends.flashinfer_backend as fb
 from ember.attention_backends.base import AttentionMetadata
+from ember.kernels.buffers import release_scratch, scratch_buffers
 from ember.layers.attention import Attention, ForwardContext
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 4, 2, 8, 4
@@ -77,7 +78,7 @@ def fake(monkeypatch):
     mod.BatchPrefillWithPagedKVCacheWrapper = Prefill
     monkeypatch.setitem(sys.modules, "flashinfer", mod)
     monkeypatch.setattr(fb.FlashInferBackend, "_wrappers", {})
-    monkeypatch.setattr(fb.FlashInferBackend, "_workspace", {})
+    release_scratch(fb.FLOAT_WORKSPACE)  # a fresh (small) workspace, dropped again at the end
     monkeypatch.setattr(fb, "_WORKSPACE_BYTES", 64)
 
     def store_kv(key, value, kv_cache, slot_mapping):
@@ -92,7 +93,8 @@ def fake(monkeypatch):
     ops = types.ModuleType("ember.kernels.store_kv")
     ops.store_kv = store_kv
     monkeypatch.setitem(sys.modules, "ember.kernels.store_kv", ops)
-    return mod
+    yield mod
+    release_scratch(fb.FLOAT_WORKSPACE)
 
 
 def _metadata(shape):
@@ -215,7 +217,7 @@ def test_same_settings_share_one_plan_per_step(fake):
         _assert_plan_args(wrapper, 0, md, None)
     (decode,) = _wrappers(fake, "decode")
     assert decode.layout == "NHD" and decode.kwargs == {"use_tensor_cores": False}  # group 2
-    assert len(fb.FlashInferBackend._workspace) == 1
+    assert len(scratch_buffers(fb.FLOAT_WORKSPACE)) == 1
     for out in outs:
         _assert_output(out, md, None)
     # The KV store ran for every layer before attention.
@@ -242,7 +244,7 @@ def test_sliding_and_full_layers_plan_separately(fake):
             assert wrapper.runs == [0, 0]  # used by both layers of that group
             _assert_plan_args(wrapper, 0, md, window)
     # One float workspace for all: it is per-run scratch (each wrapper keeps its own plan).
-    assert len(fb.FlashInferBackend._workspace) == 1
+    assert len(scratch_buffers(fb.FLOAT_WORKSPACE)) == 1
     assert len({w.workspace.data_ptr() for w in fake.created}) == 1
     for out, window in zip(outs, windows):  # every layer's output comes from its own plan
         _assert_output(out, md, window)
@@ -270,13 +272,13 @@ def test_new_step_plans_again(fake):
     layers = _layers([(w, None, SCALE) for w in windows])
     md1, caches, _ = _step(layers, MIXED)
     wrappers = list(fake.created)
-    workspaces = dict(fb.FlashInferBackend._workspace)
+    workspaces = dict(scratch_buffers(fb.FLOAT_WORKSPACE))
     assert len(wrappers) == 4 and all(len(w.plans) == 1 for w in wrappers)
 
     md2, _, outs = _step(layers, MIXED_2, caches)
     assert md2 is not md1 and md2.num_decode_tokens != md1.num_decode_tokens
     assert fake.created == wrappers  # the wrappers and workspaces are reused across steps ...
-    assert fb.FlashInferBackend._workspace == workspaces
+    assert scratch_buffers(fb.FLOAT_WORKSPACE) == workspaces
     for wrapper in wrappers:  # ... but every wrapper is planned again, for the new batch
         assert len(wrapper.plans) == 2 and wrapper.runs == [0, 1]
         window = 5 if wrapper.plans[1][1]["window_left"] == 4 else None

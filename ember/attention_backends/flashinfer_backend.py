@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     import torch
 
 _WORKSPACE_BYTES = 256 << 20
+# The ember.kernels.buffers purpose of the float workspace all wrappers share.
+FLOAT_WORKSPACE = "flashinfer.float_workspace"
 
 
 @dataclass
@@ -109,7 +111,6 @@ class FlashInferBackend(AttentionBackend):
     name: ClassVar[str] = "flashinfer"
     supports_cuda_graphs: ClassVar[bool] = False
     _wrappers: ClassVar[dict[tuple, Any]] = {}
-    _workspace: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def impl_cls(cls) -> type[AttentionImpl]:
@@ -124,10 +125,9 @@ class FlashInferBackend(AttentionBackend):
             import flashinfer
             import torch
 
-            ws = cls._workspace.get(str(device))
-            if ws is None:
-                ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-                cls._workspace[str(device)] = ws
+            from ember.kernels.buffers import scratch_buffer
+
+            ws = scratch_buffer(FLOAT_WORKSPACE, _WORKSPACE_BYTES, torch.uint8, device)
             if kind == "decode":
                 # Tensor cores pay off once several query heads share a kv head.
                 cls._wrappers[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(

@@ -21,31 +21,27 @@ import torch
 import torch.nn.functional as F
 
 from ember.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
+from ember.kernels.buffers import release_scratch, scratch_buffer
 
 # Gathered decode K/V can be tens of MB per layer; on the CPU a fresh allocation that large is
 # an mmap whose pages fault in on every layer, which costs as much as the copy itself. Layers run
-# one after another, so one grow-only buffer per dtype serves them all. Other devices have a
+# one after another, so one grow-only scratch buffer serves them all. Other devices have a
 # caching allocator already (and a hidden persistent buffer would upset memory profiling).
-_WORKSPACES: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
+# An inference-mode tensor cannot be written outside inference mode: one buffer per mode.
+_GATHER_PURPOSES = {True: "sdpa.gather.inference_mode", False: "sdpa.gather"}
 
 
 def release_workspaces() -> None:
     """Drop the CPU gather buffers (they are re-created on the next decode)."""
-    _WORKSPACES.clear()
+    for purpose in _GATHER_PURPOSES.values():
+        release_scratch(purpose)
 
 
 def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
-    # An inference-mode tensor cannot be written outside inference mode (and vice versa is
-    # fine but keep them apart): one buffer per mode.
-    key = (dtype, torch.is_inference_mode_enabled())
-    buf = _WORKSPACES.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = None  # drop every reference to the old buffer before allocating the new one
-        _WORKSPACES.pop(key, None)
-        buf = _WORKSPACES[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buf[:numel]
+    purpose = _GATHER_PURPOSES[torch.is_inference_mode_enabled()]
+    return scratch_buffer(purpose, numel, dtype, device)[:numel]
 
 
 @dataclass

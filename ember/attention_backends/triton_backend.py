@@ -18,6 +18,9 @@ from ember.attention_backends.base import AttentionBackend, AttentionImpl, Atten
 if TYPE_CHECKING:
     import torch
 
+# The ember.kernels.buffers purpose of the split-KV decode workspace.
+SPLIT_WORKSPACE = "triton.decode_split_workspace"
+
 
 # Cached: every layer asks the same question each step, and the answers are pure functions.
 @functools.lru_cache(maxsize=1024)
@@ -130,8 +133,6 @@ class TritonBackend(AttentionBackend):
     name: ClassVar[str] = "triton"
     supports_cuda_graphs: ClassVar[bool] = True
     graph_max_batch_size: ClassVar[int] = 0
-    # One split workspace per device, shared by all layers (they run one after another).
-    _workspaces: ClassVar[dict[str, torch.Tensor]] = {}
 
     @classmethod
     def impl_cls(cls) -> type[AttentionImpl]:
@@ -143,12 +144,8 @@ class TritonBackend(AttentionBackend):
 
     @classmethod
     def workspace(cls, numel: int, device: torch.device) -> torch.Tensor:
-        """A persistent fp32 buffer of at least ``numel`` elements (grown, never shrunk)."""
+        """The device's split workspace: one persistent fp32 buffer of at least ``numel``
+        elements (grown, never shrunk), shared by all layers (they run one after another)."""
         import torch
 
-        key = str(device)
-        buf = cls._workspaces.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=torch.float32, device=device)
-            cls._workspaces[key] = buf
-        return buf
+        return kernels.buffers.scratch_buffer(SPLIT_WORKSPACE, numel, torch.float32, device)

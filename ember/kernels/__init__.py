@@ -10,7 +10,8 @@
     small_batch_linear  weight-streaming linear layer for up to 16 rows
 
 Shared pieces: ``launch`` (grid arithmetic, SM count, programmatic dependent launch, merge
-counters), ``attention_common`` (score scaling inside the attention kernels), ``tuning`` (tuned
+counters), ``buffers`` (persistent scratch buffers, one per purpose and device),
+``attention_common`` (score scaling inside the attention kernels), ``tuning`` (tuned
 tile configurations per device, as data), ``config`` (``KernelConfig``: what stays switchable,
 set once per process) and ``dispatch`` (whether a layer takes a kernel).
 
@@ -40,7 +41,7 @@ OPS = (
     "argmax",
     "small_batch_linear",
 )
-_LAZY_MODULES = frozenset((*OPS, "launch", "attention_common", "dispatch", "tuning"))
+_LAZY_MODULES = frozenset((*OPS, "launch", "attention_common", "buffers", "dispatch", "tuning"))
 
 __all__ = ["OPS", "KernelConfig", "kernel_config", "set_kernel_config", "use_kernel_config"]
 

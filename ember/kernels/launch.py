@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from ember.kernels.buffers import scratch_buffer
 from ember.kernels.config import kernel_config
 
 
@@ -93,17 +94,12 @@ def pdl_options(x: torch.Tensor) -> dict[str, bool]:
 
 # Per device, int32 counts that are zero between launches. A kernel whose last program to finish
 # merges the others' partial results (argmax over chunks, split-K linear) counts in it and
-# resets what it used; launches on one stream run in turn, so they can share it. Fixed size:
-# CUDA graphs keep its address, so it is never reallocated.
+# resets what it used; launches on one stream run in turn, so they can share it. Always asked
+# for at its full size: CUDA graphs keep its address, so it is never reallocated.
 MERGE_COUNTERS = 1 << 16
-_merge_counters: dict[str, torch.Tensor] = {}
 
 
 def merge_counters(n: int, device: torch.device) -> torch.Tensor:
     """The device's zeroed merge counters (at least ``n`` of them)."""
     assert n <= MERGE_COUNTERS, f"{n} merge counters asked, {MERGE_COUNTERS} exist"
-    counters = _merge_counters.get(str(device))
-    if counters is None:
-        counters = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-        _merge_counters[str(device)] = counters
-    return counters
+    return scratch_buffer("merge_counters", MERGE_COUNTERS, torch.int32, device, zeroed=True)
