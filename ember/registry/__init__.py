@@ -39,16 +39,21 @@ class ModelRegistryType(LazyRegistry[type]):
     def get_supported_archs(self) -> list[str]:
         return self.names()
 
-    def resolve_model_cls(self, architectures: str | list[str]) -> tuple[type, str]:
-        """The first registered architecture of `architectures`, and its class."""
+    def resolve_architecture(self, architectures: str | list[str]) -> str:
+        """The first registered architecture of ``architectures`` (nothing is imported)."""
         archs = [architectures] if isinstance(architectures, str) else list(architectures)
-        for arch in archs:
-            if arch in self:
-                return self.resolve(arch), arch
-        raise ValueError(
-            f"model architectures {archs} are not supported; "
-            f"supported: {', '.join(self.get_supported_archs())}"
-        )
+        arch = next((a for a in archs if a in self), None)
+        if arch is None:
+            raise ValueError(
+                f"model architecture {archs or '(none given in config)'} is not supported; "
+                f"known architectures: {', '.join(self.get_supported_archs())}"
+            )
+        return arch
+
+    def resolve_model_cls(self, architectures: str | list[str]) -> tuple[type, str]:
+        """The first registered architecture of ``architectures``, and its class."""
+        arch = self.resolve_architecture(architectures)
+        return self.resolve(arch), arch
 
 
 class AttentionBackendRegistryType(LazyRegistry[type]):
