@@ -20,8 +20,8 @@ _LAZY = {
     "RequestOutput": "ember.outputs:RequestOutput",
     "CompletionOutput": "ember.outputs:CompletionOutput",
     "EngineArgs": "ember.config:EngineArgs",
-    "LLMEngine": "ember.core.engine:LLMEngine",
-    "AsyncLLM": "ember.core.async_engine:AsyncLLM",
+    "LLMEngine": "ember.engine.llm_engine:LLMEngine",
+    "AsyncLLM": "ember.engine.async_llm:AsyncLLM",
     "ModelRegistry": "ember.registry:ModelRegistry",
 }
 
@@ -29,7 +29,7 @@ __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
     from ember.config import EngineArgs  # noqa: F401
-    from ember.core.engine import LLMEngine  # noqa: F401
+    from ember.engine.llm_engine import LLMEngine  # noqa: F401
     from ember.entrypoints.llm import LLM  # noqa: F401
     from ember.inputs import TextPrompt, TokensPrompt  # noqa: F401
     from ember.outputs import CompletionOutput, RequestOutput  # noqa: F401

@@ -58,3 +58,9 @@ def api_key() -> str | None:
 def step_timing() -> bool:
     """EMBER_STEP_TIMING=1: time each engine phase per step (see ember.core.step_timer)."""
     return _flag("EMBER_STEP_TIMING")
+
+
+def engine_process() -> bool:
+    """EMBER_ENGINE_PROCESS=1: offline `LLM` / `LLMEngine` run the engine core in a process of
+    its own (the server always does); default in-process."""
+    return _flag("EMBER_ENGINE_PROCESS")

@@ -27,13 +27,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def check_idle_report(report: dict) -> None:
+    """An EngineCore.idle_report(): nothing left to run, every KV block back in the free queue."""
+    assert not report["has_work"], report
+    assert report["num_free_blocks"] == report["num_total_blocks"], report
+    assert report["requests_holding_blocks"] == 0, report
+
+
 def assert_all_blocks_free(llm_or_engine) -> None:
-    """Every KV block is back in the free queue and no request is left in the engine."""
+    """Every KV block is free and no request is left, in the front end or the engine core
+    (an LLM or LLMEngine, with its core in this process or in its own)."""
     engine = getattr(llm_or_engine, "llm_engine", llm_or_engine)
     assert not engine.has_unfinished_requests()
-    assert engine.num_free_blocks() == engine.num_total_blocks()
-    assert not engine.kv_cache_manager.req_to_blocks
     assert not engine.output_processor.parents
+    check_idle_report(engine.call_core("idle_report"))
+
+
+async def assert_all_blocks_free_async(async_llm) -> None:
+    """assert_all_blocks_free for an AsyncLLM (its core is always in another process). The
+    core may still be finishing a step that was in flight when the last request ended."""
+    import asyncio
+
+    assert not async_llm.output_processor.parents
+    for _ in range(100):
+        report = await async_llm.call_core("idle_report")
+        if not report["has_work"]:
+            break
+        await asyncio.sleep(0.02)
+    check_idle_report(report)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import time
 
 import uvicorn
 
-from ember.core.async_engine import AsyncLLM
+from ember.engine.async_llm import AsyncLLM
 
 # The default model with a short context and a fixed KV cache: quick to fill, cheap on RAM.
 SERVER_ENGINE_ARGS = dict(max_model_len=1024, num_gpu_blocks_override=1024, max_num_seqs=256)

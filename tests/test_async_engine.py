@@ -1,18 +1,22 @@
-"""AsyncLLM on a tiny random llama: streaming, concurrency, aborts, errors, crash and shutdown.
+"""AsyncLLM on a tiny random llama: streaming, concurrency, aborts, errors, a dying engine-core
+process and shutdown.
 
-Every test ends with all KV blocks free (checked on the engine thread, between steps).
+Every test ends with all KV blocks free (asked of the engine core process, between steps).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 import pytest
-from conftest import assert_all_blocks_free
+from conftest import assert_all_blocks_free_async
 from model_factory import make_tiny_model
 
 from ember import LLM, EngineArgs, SamplingParams
-from ember.core.async_engine import AsyncLLM, EngineDeadError
+from ember.engine.async_llm import AsyncLLM, EngineDeadError
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,7 @@ def _check_free(engine: AsyncLLM) -> None:
             if engine.stats()["num_unfinished_requests"] == 0:
                 break
             await asyncio.sleep(0.01)
-        await engine.call(assert_all_blocks_free)
+        await assert_all_blocks_free_async(engine)
 
     asyncio.run(idle())
 
@@ -156,35 +160,62 @@ def test_bad_request_fails_only_its_caller(engine):
     _check_free(engine)
 
 
-def test_crash_fails_pending_and_marks_dead(tiny_path):
+def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_killed_core_fails_pending_within_5s(tiny_path):
     engine = AsyncLLM.from_engine_args(_args(tiny_path))
-    real_step = engine.engine.step
-    calls = {"n": 0}
-
-    def flaky_step():
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("boom")
-        return real_step()
-
-    engine.engine.step = flaky_step
+    pid = engine.client.address.pid
 
     async def run():
-        with pytest.raises(EngineDeadError, match="boom"):
-            await _collect(engine, _prompt(5), _params(max_tokens=50), "a")
+        gen = engine.generate(_prompt(5), _params(max_tokens=10_000 // 20), "a")
+        await gen.__anext__()
+        start = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="died"):
+            async for _ in gen:
+                pass
+        assert time.monotonic() - start < 5.0
         with pytest.raises(EngineDeadError):
             await engine.check_health()
         with pytest.raises(EngineDeadError):
             await _collect(engine, _prompt(5), _params(), "b")
         with pytest.raises(EngineDeadError):
-            await engine.call(lambda e: None)
+            await engine.call_core("idle_report")
 
     asyncio.run(run())
     assert not engine.is_running
+    engine.shutdown_sync()
+    assert _wait_gone(pid)
 
 
-def test_shutdown_aborts_in_flight(tiny_path):
+def test_failing_step_reports_its_error(tiny_path):
+    """A step that raises in the core process ends it; callers get the core's own message."""
     engine = AsyncLLM.from_engine_args(_args(tiny_path))
+
+    async def run():
+        await engine.call_core("inject_step_failure", "boom")
+        with pytest.raises(EngineDeadError, match="boom"):
+            await _collect(engine, _prompt(5), _params(max_tokens=50), "a")
+        with pytest.raises(EngineDeadError, match="boom"):
+            await engine.check_health()
+
+    asyncio.run(run())
+    engine.shutdown_sync()
+    assert _wait_gone(engine.client.address.pid)  # exited and reaped
+
+
+def test_shutdown_aborts_in_flight_and_stops_the_core(tiny_path):
+    engine = AsyncLLM.from_engine_args(_args(tiny_path))
+    pid = engine.client.address.pid
 
     async def run():
         gen = engine.generate(_prompt(5), _params(max_tokens=200), "x")
@@ -196,4 +227,4 @@ def test_shutdown_aborts_in_flight(tiny_path):
 
     asyncio.run(run())
     assert not engine.is_running
-    assert_all_blocks_free(engine.engine)  # the thread is gone: safe to look directly
+    assert _wait_gone(pid)  # the core process is gone, not orphaned

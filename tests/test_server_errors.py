@@ -11,7 +11,7 @@ from model_factory import make_tiny_model
 from server_utils import API_KEY, MODEL_NAME, ServerThread
 
 from ember import EngineArgs
-from ember.core.async_engine import AsyncLLM
+from ember.engine.async_llm import AsyncLLM
 
 CHAT = [{"role": "user", "content": "Hi"}]
 

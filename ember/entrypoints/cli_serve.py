@@ -19,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let in-flight requests finish before "
                              "aborting them")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="HTTP server processes in front of the one engine core (tokenizing, "
+                             "detokenizing and streaming spread over them); metrics sum up")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser, with_model=False)

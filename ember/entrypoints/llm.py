@@ -20,13 +20,27 @@ class LLM:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}")
-        from ember.core.engine import LLMEngine
+        from ember.engine.llm_engine import LLMEngine
 
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._counter = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
+
+    @property
+    def platform(self) -> str:
+        """The name of the platform the engine runs on (e.g. "cpu", "cuda")."""
+        return self.llm_engine.platform_name
+
+    @property
+    def attention_backend(self) -> str:
+        """The name of the attention backend the engine chose (`ember plugins --explain` says why)."""
+        return self.llm_engine.attention_backend_name
+
+    def shutdown(self) -> None:
+        """Stop the engine core (and its process, if it has one); the LLM is unusable after."""
+        self.llm_engine.shutdown()
 
     def generate(
         self,

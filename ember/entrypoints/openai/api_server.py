@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import ember
 from ember import envs
-from ember.core.async_engine import AsyncLLM
+from ember.engine.async_llm import AsyncLLM
 from ember.entrypoints.openai import metrics as prom
 from ember.entrypoints.openai.errors import OpenAIError, error_body, install_error_handlers
 from ember.entrypoints.openai.protocol import (
@@ -163,21 +163,35 @@ def build_app(
 
 
 # ---- the `ember serve` process -----------------------------------------------------------
-def run_server(ns: argparse.Namespace) -> int:
+def served_names(ns: argparse.Namespace, args) -> list[str]:
+    return ns.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
+
+
+def uvicorn_server(app: FastAPI, ns: argparse.Namespace):
     import uvicorn
 
-    from ember.entrypoints.cli_args import engine_args_from
-
-    api_key = ns.api_key or envs.api_key()
-    args = engine_args_from(ns)
-    engine = AsyncLLM.from_engine_args(args)
-    names = ns.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
-    app = build_app(engine, names, api_key=api_key)
     config = uvicorn.Config(
         app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
         timeout_graceful_shutdown=ns.shutdown_timeout, timeout_keep_alive=5,
     )
-    server = uvicorn.Server(config)
+    return uvicorn.Server(config)
+
+
+def run_server(ns: argparse.Namespace) -> int:
+    """`ember serve`: the engine core in a child process, HTTP here (or in N processes)."""
+    from ember.entrypoints.cli_args import engine_args_from
+
+    if ns.api_server_count < 1:
+        raise SystemExit("--api-server-count must be at least 1")
+    args = engine_args_from(ns)
+    if ns.api_server_count > 1:
+        from ember.entrypoints.openai.launcher import run_multi_server
+
+        return run_multi_server(ns, args)
+    api_key = ns.api_key or envs.api_key()
+    engine = AsyncLLM.from_engine_args(args)
+    names = served_names(ns, args)
+    server = uvicorn_server(build_app(engine, names, api_key=api_key), ns)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", names[0], ns.host, ns.port)
     try:
         server.run()

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ember.core.async_engine import EngineDeadError
+from ember.engine.errors import EngineDeadError
 from ember.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("ember")

@@ -1,16 +1,23 @@
 """Prometheus metrics of one server, with vLLM's names under an `ember:` prefix.
 
 Each app has its own CollectorRegistry (two servers in one process, as in tests, never collide).
-Counters and histograms are fed by the engine thread's IterationStats (prometheus-client is
-thread-safe); gauges read the engine's latest stats snapshot when scraped.
+Counters and histograms are fed by the front end's IterationStats (prometheus-client is
+thread-safe); gauges read the engine core's latest scheduler stats when scraped.
+
+With `--api-server-count N` every HTTP process counts only its own requests, so counters and
+histograms use prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by the
+launcher before the processes start) and a scrape of any process sums all of them; the gauges
+describe the one engine core, which every process hears from, so they are reported as they are.
 """
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ember.core.async_engine import AsyncLLM, IterationStats
+from ember.engine.async_llm import AsyncLLM, IterationStats
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -26,11 +33,15 @@ class ServerMetrics:
 
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.engine = engine
-        self.registry = CollectorRegistry()
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+        self.gauges = CollectorRegistry()
+        # In multiprocess mode the values live in shared files: registering them here as well
+        # would count this process twice.
+        self.registry = CollectorRegistry() if self.multiprocess_dir is None else None
         reg, labels, model = self.registry, ["model_name"], [model_name]
 
         def gauge(name: str, doc: str, key: str) -> None:
-            Gauge(name, doc, labels, registry=reg).labels(*model).set_function(
+            Gauge(name, doc, labels, registry=self.gauges).labels(*model).set_function(
                 lambda: float(engine.stats().get(key, 0.0))
             )
 
@@ -81,4 +92,10 @@ class ServerMetrics:
             self.gen_len.observe(done.num_generation_tokens)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.registry is not None:
+            return generate_latest(self.gauges) + generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        shared = CollectorRegistry()
+        multiprocess.MultiProcessCollector(shared, path=self.multiprocess_dir)
+        return generate_latest(self.gauges) + generate_latest(shared)

@@ -19,7 +19,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ember.core.async_engine import AsyncLLM
+from ember.engine.async_llm import AsyncLLM
 from ember.entrypoints.openai.errors import OpenAIError
 from ember.entrypoints.openai.protocol import ChatMessage, SamplingExtras
 from ember.outputs import RequestOutput

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ember.core.async_engine import EngineDeadError
+from ember.engine.errors import EngineDeadError
 from ember.entrypoints.openai.errors import OpenAIError, error_body
 from ember.entrypoints.openai.logprobs import append_completion_logprobs
 from ember.entrypoints.openai.protocol import (

@@ -1,0 +1,198 @@
+"""EngineCore: the scheduler, the KV cache manager and the executor, stepping requests.
+
+It knows token ids only: tokenization, detokenization, stop strings and n > 1 fan-out live in
+the front end (`ember.engine`). A step returns compact `EngineCoreOutputs`; the same object runs
+in the caller's process (offline `LLM`) or in a process of its own (`ember.core.engine_core_proc`).
+The executor is resolved by name through the executor registry, so the core never imports a
+worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ember.config import EngineArgs
+from ember.core.kv_cache_manager import KVCacheManager
+from ember.core.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    SchedulerStats,
+)
+from ember.core.request import Request, RequestStatus
+from ember.core.scheduler import Scheduler
+from ember.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("ember")
+
+
+def resolve_executor_class(name: str | None):
+    from ember.registry import ExecutorRegistry
+
+    return ExecutorRegistry.resolve(name or "uni")
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; `step()` advances every running request by one."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        args.validate()
+        start = time.perf_counter()
+        self.args = args
+        self.executor = resolve_executor_class(None)(args)
+        self.model_config = self.executor.model_config
+        self.max_model_len = self.model_config.max_model_len
+        num_blocks = self.executor.num_blocks
+        if num_blocks * args.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * args.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}: raise the KV cache memory or lower "
+                "max_model_len"
+            )
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        platform = self.executor.platform
+        self.async_scheduling = args.async_scheduling
+        if self.async_scheduling is None:
+            # Only a device that runs behind the host gains from overlapping the two.
+            self.async_scheduling = bool(getattr(platform, "async_scheduling_default",
+                                                 platform.device_type == "cuda"))
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            self.executor.max_num_batched_tokens,
+            args.max_num_seqs,
+            self.max_model_len,
+            self.async_scheduling,
+        )
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None  # (plan, launched step)
+        self._injected_failure: str | None = None
+        from ember import envs
+        from ember.core.step_timer import StepTimer
+
+        self.timer = StepTimer(envs.step_timing())
+        self.ready = EngineReady(
+            num_blocks=num_blocks,
+            block_size=args.block_size,
+            max_num_batched_tokens=self.executor.max_num_batched_tokens,
+            platform=platform.name,
+            attention_backend=self.executor.attn_backend.name,
+            async_scheduling=self.async_scheduling,
+            startup_seconds=time.perf_counter() - start,
+        )
+        logger.info(
+            "engine core ready in %.1f s: %s (%s, %s), KV cache %d blocks x %d tokens, backend %s%s",
+            self.ready.startup_seconds, self.model_config.architecture, self.model_config.dtype,
+            platform.name, num_blocks, args.block_size, self.executor.attn_backend.name,
+            ", async scheduling" if self.async_scheduling else "",
+        )
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        params = req.sampling_params
+        params.all_stop_token_ids = set(req.all_stop_token_ids)
+        request = Request(req.request_id, req.prompt_token_ids, params, set(req.eos_token_ids),
+                          self.args.block_size, req.arrival_time)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """End requests now and free their blocks (unknown or finished ids are ignored)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+
+    # ---- stepping ----------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """Plan and run one step; with async scheduling the outputs are the previous step's,
+        folded in while this one runs on the device."""
+        if self._injected_failure is not None:
+            raise RuntimeError(self._injected_failure)
+        timer = self.timer
+        timer.start()
+        plan = self.scheduler.schedule()
+        timer.mark("schedule")
+        launched = None if plan.is_empty else (plan, self.executor.launch(plan))
+        timer.mark("prepare")
+        if self.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        if launched is None:
+            return EngineCoreOutputs(timestamp=time.time())
+        result = launched[1].resolve()  # the step's one device-to-host sync
+        timer.mark("wait")
+        return self._fold_in(launched[0], result)
+
+    def _fold_in(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
+        touched = self.scheduler.update_from_output(plan, result)
+        self.timer.mark("update")
+        sampled, logprobs, prompt_logprobs = (
+            result.sampled_token_ids, result.logprobs, result.prompt_logprobs)
+        outputs = []
+        for request in touched:
+            req_id = request.request_id
+            token = sampled.get(req_id)
+            out = EngineCoreOutput(req_id, [token] if token is not None else [])
+            if token is not None and req_id in logprobs:
+                out.new_logprobs = [logprobs[req_id]]
+            if req_id in prompt_logprobs:
+                out.prompt_logprobs = prompt_logprobs[req_id]
+            if request.status >= RequestStatus.FINISHED_STOPPED:
+                out.finish_reason = request.status.finish_reason
+                out.stop_reason = request.stop_reason
+            if request.num_cached_tokens >= 0:
+                out.num_cached_tokens = request.num_cached_tokens
+            out.num_preemptions = request.metrics.num_preemptions
+            outputs.append(out)
+        self.timer.mark("output")
+        return EngineCoreOutputs(outputs, time.time())
+
+    # ---- introspection (also reachable as utility calls from another process) -----------
+    def scheduler_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        scheduler = self.scheduler
+        return SchedulerStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=kv.usage(),
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.pool.num_blocks,
+            num_unfinished_requests=scheduler.get_num_unfinished_requests(),
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """scheduler_stats() as a plain dict (what a utility call can carry)."""
+        import msgspec
+
+        return msgspec.structs.asdict(self.scheduler_stats())
+
+    def idle_report(self) -> dict[str, int]:
+        """What tests check after a run: nothing left running, every KV block free."""
+        return {
+            "has_work": int(self.has_work()),
+            "num_free_blocks": self.kv_cache_manager.num_free_blocks,
+            "num_total_blocks": self.kv_cache_manager.pool.num_blocks,
+            "requests_holding_blocks": len(self.kv_cache_manager.req_to_blocks),
+        }
+
+    def inject_step_failure(self, message: str) -> None:
+        """Fault injection: the next step raises RuntimeError(message), as a device error
+        would, so the failure path (clients told why, process exit) can be tested."""
+        self._injected_failure = message
+
+    def get_ready(self) -> EngineReady:
+        return self.ready
+
+    def reset_prefix_cache(self) -> bool:
+        reset = getattr(self.kv_cache_manager, "reset_prefix_cache", None)
+        return bool(reset()) if reset is not None else False
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

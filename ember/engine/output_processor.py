@@ -1,0 +1,215 @@
+"""OutputProcessor: engine-core outputs -> RequestOutputs (detokenize, stop strings, logprobs, n > 1).
+
+The core sends each child sequence's new token ids and finish reason; here they are appended,
+detokenized incrementally, checked for stop strings (a hit finishes the child here and asks the
+caller to abort it in the core), and gathered back into one RequestOutput per parent request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ember.core.messages import EngineCoreOutputs, PositionLogprobs
+from ember.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ember.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class ChildState:
+    request_id: str
+    index: int
+    params: SamplingParams
+    detokenizer: object | None  # IncrementalDetokenizer, or None with detokenize=False
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[ChildState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    finished: bool = False
+    final_only: bool = False
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.children: dict[str, tuple[ParentState, ChildState]] = {}  # by child (core) id
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, child_ids: list[str], child_params: list[SamplingParams],
+                    arrival_time: float) -> ParentState:
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        children = [self._make_child(cid, i, p, prompt_token_ids)
+                    for i, (cid, p) in enumerate(zip(child_ids, child_params))]
+        parent = ParentState(request_id, prompt, prompt_token_ids, params, children,
+                             RequestMetrics(arrival_time),
+                             final_only=params.output_kind == RequestOutputKind.FINAL_ONLY)
+        self.parents[request_id] = parent
+        for child in children:
+            self.children[child.request_id] = (parent, child)
+        return parent
+
+    def _make_child(self, request_id: str, index: int, params: SamplingParams,
+                    prompt_token_ids: list[int]) -> ChildState:
+        detok = None
+        if params.detokenize and self.tokenizer is not None:
+            from ember.detokenizer import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        wants_lp = params.logprobs is not None
+        return ChildState(request_id, index, params, detok, [] if wants_lp else None,
+                          0.0 if wants_lp else None)
+
+    def abort(self, request_id: str) -> list[str]:
+        """Finish a parent as aborted; returns the ids of its children still running in the core
+        (the caller aborts those there)."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return []
+        live = []
+        for child in parent.children:
+            if not child.finished:
+                child.finish_reason = "abort"
+                live.append(child.request_id)
+        self._drop(parent)
+        return live
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    # ---- one step's outputs ------------------------------------------------------------
+    def process(self, core_outputs: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
+        """Fold a step in: (the RequestOutputs to hand out, child ids a stop string ended)."""
+        changed: dict[str, ParentState] = {}
+        stopped: list[str] = []
+        children, now = self.children, core_outputs.timestamp or time.time()
+        for out in core_outputs.outputs:
+            entry = children.get(out.request_id)
+            if entry is None:
+                continue  # aborted here while the step ran
+            parent, child = entry
+            if child.finished:
+                continue  # a stop string ended it here; the core's abort is on its way
+            if out.prompt_logprobs and child.index == 0:
+                self._add_prompt_logprobs(parent, out.prompt_logprobs)
+            new_ids = out.new_token_ids
+            if new_ids:
+                if child.first_token_time is None:
+                    child.first_token_time = now
+                child.last_token_time = now
+                child.token_ids.extend(new_ids)
+                if child.logprobs is not None:
+                    for ids, values, rank in out.new_logprobs:
+                        child.logprobs.append(self._logprob_dict(ids, values, rank))
+                        child.cumulative_logprob += values[0]
+                detok = child.detokenizer
+                if detok is not None:
+                    detok.append(new_ids)
+                    stop_str = detok.stop_string_hit
+                    if stop_str is not None and out.finish_reason is None:
+                        child.finish_reason, child.stop_reason = "stop", stop_str
+                        stopped.append(child.request_id)
+            if out.finish_reason is not None and child.finish_reason is None:
+                child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+            if out.num_cached_tokens >= 0:
+                child.num_cached_tokens = out.num_cached_tokens
+            child.num_preemptions = out.num_preemptions
+            if not parent.final_only or child.finished:
+                changed[parent.request_id] = parent
+        outputs = [
+            self.make_output(p) for p in changed.values()
+            if not p.final_only or all(c.finished for c in p.children)
+        ]
+        return outputs, stopped
+
+    def _decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def _logprob_dict(self, ids: list[int], values: list[float], rank: int) -> dict[int, Logprob]:
+        # The first entry is the sampled/actual token; the rest are the top-k in rank order.
+        entries = {ids[0]: Logprob(values[0], rank, self._decode_token(ids[0]))}
+        for r, (tok, val) in enumerate(zip(ids[1:], values[1:]), start=1):
+            entries.setdefault(tok, Logprob(val, r, self._decode_token(tok)))
+        return entries
+
+    def _add_prompt_logprobs(self, parent: ParentState, entries: list[PositionLogprobs]) -> None:
+        if parent.prompt_logprobs is None:
+            parent.prompt_logprobs = [None]  # the first prompt token has no logprob
+        for ids, values, rank in entries:
+            parent.prompt_logprobs.append(self._logprob_dict(ids, values, rank))
+
+    def make_output(self, parent: ParentState) -> RequestOutput:
+        outputs = []
+        for child in parent.children:
+            detok = child.detokenizer
+            if detok is not None and child.finished and not detok.finished:
+                detok.finish()  # flush a trailing partial character
+            token_ids = child.token_ids
+            outputs.append(
+                CompletionOutput(
+                    index=child.index,
+                    # Cumulative and append-only: streamed deltas never need taking back.
+                    text=detok.stable_text if detok is not None else "",
+                    token_ids=list(token_ids),
+                    cumulative_logprob=child.cumulative_logprob,
+                    logprobs=child.logprobs,
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                )
+            )
+        parent.finished = all(c.finished for c in parent.children)
+        metrics = parent.metrics
+        if parent.finished:
+            metrics.finished_time = time.time()
+            self._drop(parent)
+        metrics.first_token_time = min(
+            (c.first_token_time for c in parent.children if c.first_token_time), default=None)
+        metrics.last_token_time = max(
+            (c.last_token_time for c in parent.children if c.last_token_time), default=None)
+        metrics.num_preemptions = sum(c.num_preemptions for c in parent.children)
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outputs,
+            finished=parent.finished,
+            prompt_logprobs=parent.prompt_logprobs,
+            metrics=metrics,
+            num_cached_tokens=parent.children[0].num_cached_tokens,
+        )
+
+    def _drop(self, parent: ParentState) -> None:
+        self.parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self.children.pop(child.request_id, None)

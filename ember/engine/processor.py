@@ -1,0 +1,111 @@
+"""InputProcessor: a prompt and its SamplingParams -> validated token ids and engine-core requests.
+
+Runs in the caller's thread (the event loop in the server) so a bad prompt is the caller's
+ValueError before anything reaches the engine core. A parent request with n > 1 becomes n child
+requests; the core never hears of parents.
+"""
+
+from __future__ import annotations
+
+from ember.config import ModelConfig
+from ember.core.messages import EngineCoreRequest
+from ember.inputs import PromptType
+from ember.sampling_params import SamplingParams
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer) -> set[int]:
+    """Every id that ends a sequence: the model config's eos ids and the tokenizer's."""
+    ids: set[int] = set()
+    for source in (model_config.hf_config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer) -> None:
+        self.model_config = model_config
+        self.max_model_len = model_config.max_model_len
+        self.vocab_size = model_config.vocab_size
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids(model_config, tokenizer)
+        self._eos_list = sorted(self.eos_token_ids)
+
+    def prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            text, ids = prompt["prompt"], None
+        else:
+            raise ValueError(
+                "prompt must be a string, a TextPrompt {'prompt': ...} or a TokensPrompt "
+                f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+            )
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"prompt text must be a string, got {type(text).__name__}")
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True was set)")
+            ids = self.tokenizer.encode(text) if text else []
+        return text, ids
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt (length {len(ids)}) is longer than the maximum model length of "
+                f"{self.max_model_len} minus one token for the output"
+            )
+        vocab = self.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:5]}")
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        arrival_time: float,
+        client_index: int = 0,
+    ) -> tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]:
+        """(prompt text, prompt ids, the parent's params, one core request per child)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self.prompt_ids(prompt)
+        self.validate_prompt(ids)
+        children = []
+        for index in range(params.n):
+            child = self.child_params(params, index, len(ids))
+            children.append(EngineCoreRequest(
+                child_request_id(request_id, index, params.n), ids, child, self._eos_list,
+                arrival_time, sorted(child.all_stop_token_ids), client_index,
+            ))
+        return text, ids, params, children
+
+    def child_params(self, params: SamplingParams, index: int, prompt_len: int) -> SamplingParams:
+        child = params.clone()
+        child.n = 1
+        if child.max_tokens is None:
+            child.max_tokens = self.max_model_len - prompt_len
+        if index > 0:
+            # Only one child reports prompt logprobs; distinct seeds keep the n samples distinct.
+            child.prompt_logprobs = None
+            if child.seed is not None:
+                child.seed = child.seed + index
+        # The sampler masks these while min_tokens is not reached (vLLM adds eos the same way).
+        child.all_stop_token_ids = set(child.stop_token_ids)
+        if not child.ignore_eos:
+            child.all_stop_token_ids |= self.eos_token_ids
+        return child
