@@ -2,39 +2,36 @@
 
 Starts `ember serve` in a subprocess (so the client never competes with the engine for the GIL),
 or targets a running server with --base-url; sends N streaming requests arriving as a Poisson
-process at --request-rate (inf = all at once), at most --max-concurrency in flight; reports
-request and token throughput and TTFT / TPOT / ITL / end-to-end latency percentiles; --out writes
-the results as JSON.
+process at --request-rate (inf = all at once), at most --max-concurrency in flight, from
+--client-processes client processes (serve_client.py); reports request and token throughput and
+TTFT / TPOT / ITL / end-to-end latency percentiles; --out writes the results as JSON, with the
+server's command line. --poisson-at-fraction F adds a second run on the same server, Poisson at F
+times the first run's request throughput (TTFT under load that the server keeps up with).
+
+A dummy-weight model directory holds only config.json; the started server then gets a copy of it
+with a word-level tokenizer of the config's vocabulary size (word_tokenizer.py), made
+automatically or with --word-tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform as host_platform
 import random
 import shlex
+import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 
 from ember.bench.provenance import git_commit
+from ember.bench.serve_client import ClientPlan, RequestResult, run_clients
 
 PERCENTILES = (50, 90, 99)
 
-
-@dataclass
-class RequestResult:
-    ok: bool = False
-    error: str = ""
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
+__all__ = ["RequestResult", "add_arguments", "main", "summarize"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,13 +40,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model for the started server")
     parser.add_argument("--served-model-name", default="bench")
     parser.add_argument("--server-args", default="",
-                        help="extra `ember serve` flags, e.g. '--max-model-len 2048'")
+                        help="extra `ember serve` flags, e.g. '--api-server-count 4 "
+                             "--load-format dummy --max-model-len 4096'")
+    parser.add_argument("--word-tokenizer", action=argparse.BooleanOptionalAction, default=None,
+                        help="serve a copy of the --model directory with a word-level tokenizer "
+                             "of its vocabulary size (default: when the directory has no "
+                             "tokenizer, as the dummy-weight configs in ember/configs)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second (Poisson arrivals); inf sends all at once")
+    parser.add_argument("--poisson-at-fraction", type=float, default=None,
+                        help="then, on the same server, a Poisson run at this fraction of the "
+                             "first run's request throughput (JSON key 'poisson')")
     parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="client processes sharing the requests (and the rate) round-robin, "
+                             "so the client keeps up with tens of thousands of chunks a second")
     parser.add_argument("--dataset", choices=["random", "fixed"], default="random",
                         help="random: random token ids (completions) or words (chat); "
                              "fixed: --prompt for every request")
@@ -92,66 +100,14 @@ def _bodies(ns: argparse.Namespace) -> list[dict]:
     return bodies
 
 
-# ---- one request -------------------------------------------------------------------------
-async def _one(client, url: str, body: dict, headers: dict) -> RequestResult:
-    result = RequestResult()
-    start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"].get("message", "error")
-                    return result
-                if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                choices = chunk.get("choices") or []
-                if not any(c.get("text") or (c.get("delta") or {}).get("content")
-                           for c in choices):
-                    continue  # the role chunk, or a finish-only chunk
-                now = time.perf_counter()
-                if result.ttft == 0.0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-        result.latency = time.perf_counter() - start
-        result.ok = True
-    except Exception as exc:  # a benchmark reports failures, it does not stop at them
-        result.error = repr(exc)
-    return result
-
-
-async def _run(ns: argparse.Namespace, base_url: str) -> tuple[list[RequestResult], float]:
-    import httpx
-
-    path = "/v1/chat/completions" if ns.endpoint == "chat" else "/v1/completions"
-    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
-    bodies = _bodies(ns)
-    rng = random.Random(ns.seed + 1)
-    limit = asyncio.Semaphore(ns.max_concurrency or len(bodies))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(3600.0),
-                                 limits=limits) as client:
-
-        async def limited(body: dict) -> RequestResult:
-            async with limit:
-                return await _one(client, path, body, headers)
-
-        start = time.perf_counter()
-        tasks = []
-        for body in bodies:
-            tasks.append(asyncio.ensure_future(limited(body)))
-            if ns.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(ns.request_rate))
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
+def _plan(ns: argparse.Namespace, base_url: str) -> ClientPlan:
+    return ClientPlan(
+        base_url=base_url,
+        path="/v1/chat/completions" if ns.endpoint == "chat" else "/v1/completions",
+        bodies=_bodies(ns),
+        headers={"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {},
+        request_rate=ns.request_rate, max_concurrency=ns.max_concurrency, seed=ns.seed + 1,
+    )
 
 
 # ---- report ------------------------------------------------------------------------------
@@ -194,8 +150,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     return summary
 
 
-def _print(summary: dict) -> None:
-    print("=" * 20 + " Serving Benchmark Result " + "=" * 20)
+def _print(summary: dict, title: str) -> None:
+    print("=" * 20 + f" {title} " + "=" * 20)
     for key, value in summary.items():
         if key == "errors":
             continue
@@ -214,20 +170,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(ns: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    import httpx
+def _wants_word_tokenizer(ns: argparse.Namespace) -> bool:
+    from ember.bench.word_tokenizer import has_tokenizer
 
-    port = _free_port()
+    if ns.word_tokenizer is not None:
+        return ns.word_tokenizer
+    return bool(ns.model) and os.path.isdir(ns.model) and not has_tokenizer(ns.model)
+
+
+def _server_command(ns: argparse.Namespace, model: str | None, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "ember.entrypoints.cli", "serve"]
-    cmd += [ns.model] if ns.model else []
+    cmd += [model] if model else []
     cmd += ["--port", str(port), "--served-model-name", ns.served_model_name,
             "--uvicorn-log-level", "warning", *shlex.split(ns.server_args)]
     if ns.api_key:
         cmd += ["--api-key", ns.api_key]
+    return cmd
+
+
+def _api_server_count(server_args: str) -> int:
+    """The --api-server-count passed through --server-args (the server's default is 1)."""
+    args = shlex.split(server_args)
+    for i, arg in enumerate(args):
+        if arg == "--api-server-count" and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith("--api-server-count="):
+            return int(arg.split("=", 1)[1])
+    return 1
+
+
+def _start_server(cmd: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = cmd[cmd.index("--port") + 1]
     env = {**os.environ, "EMBER_DISABLE_PROGRESS": "1"}
-    proc = subprocess.Popen(cmd, env=env)
+    # Its own process group, so that stopping it reaches every process it started.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ns.startup_timeout
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"`{shlex.join(cmd)}` exited with {proc.returncode}")
@@ -237,35 +217,88 @@ def _start_server(ns: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.terminate()
+    _stop_server(proc)
     raise RuntimeError("the server did not become healthy in time")
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
+    import signal
+
+    if proc.poll() is None:
+        proc.terminate()  # SIGTERM to the server: it shuts down its own children
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of its group outlived it
+    except ProcessLookupError:
+        pass
+
+
+def _measure(ns: argparse.Namespace, base_url: str) -> tuple[dict, dict | None]:
+    # Warm-up: one short request, so the first measured one pays no one-time costs.
+    warm = argparse.Namespace(**{**vars(ns), "num_prompts": 1, "output_len": 2})
+    run_clients(_plan(warm, base_url))
+    plan = _plan(ns, base_url)
+    summary = summarize(*run_clients(plan, ns.client_processes))
+    _print(summary, "Serving Benchmark Result")
+    poisson = None
+    if ns.poisson_at_fraction and summary["request_throughput"] > 0:
+        rate = ns.poisson_at_fraction * summary["request_throughput"]
+        poisson_plan = _plan(argparse.Namespace(**{**vars(ns), "request_rate": rate}), base_url)
+        poisson = {"request_rate": rate,
+                   **summarize(*run_clients(poisson_plan, ns.client_processes))}
+        _print(poisson, f"Poisson at {rate:.2f} req/s")
+    return summary, poisson
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(ns: argparse.Namespace) -> int:
     import logging
+    import signal
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
+    # A time limit (`timeout`) sends SIGTERM: unwind, so that the server is stopped too and
+    # does not hold the accelerator for the next run.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     proc = None
     base_url = ns.base_url
-    if base_url is None:
-        proc, base_url = _start_server(ns)
+    cmd: list[str] | None = None
+    word_dir = None
     try:
-        # Warm-up: one short request, so the first measured one pays no one-time costs.
-        warm = argparse.Namespace(**{**vars(ns), "num_prompts": 1, "output_len": 2})
-        asyncio.run(_run(warm, base_url))
-        results, duration = asyncio.run(_run(ns, base_url))
+        if base_url is None:
+            model = ns.model
+            if _wants_word_tokenizer(ns):
+                from ember.bench.word_tokenizer import write_word_tokenizer_model
+
+                model = word_dir = write_word_tokenizer_model(ns.model)
+                print(f"serving {ns.model} with a word-level tokenizer from {word_dir}")
+            cmd = _server_command(ns, model, _free_port())
+            proc, base_url = _start_server(cmd, ns.startup_timeout)
+        summary, poisson = _measure(ns, base_url)
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(60)
-    summary = summarize(results, duration)
-    _print(summary)
+            _stop_server(proc)
+        if word_dir is not None:
+            shutil.rmtree(word_dir, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
     if ns.out:
         args = {k: str(v) if v == float("inf") else v  # JSON has no Infinity
                 for k, v in vars(ns).items() if k != "func"}
         record = {"date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
                   "machine": host_platform.processor() or host_platform.machine(),
-                  "cpus": os.cpu_count(), "args": args, "results": summary}
+                  "cpus": os.cpu_count(), "args": args,
+                  "server_cmd": shlex.join(cmd) if cmd else None,
+                  "api_server_count": _api_server_count(ns.server_args) if cmd else None,
+                  "client_processes": ns.client_processes, "results": summary}
+        if poisson is not None:
+            record["poisson"] = poisson
         with open(ns.out, "w") as f:
             json.dump(record, f, indent=2, default=str)
-    return 0 if summary["failed"] == 0 else 1
+    failed = summary["failed"] + (poisson["failed"] if poisson else 0)
+    return 0 if failed == 0 else 1
