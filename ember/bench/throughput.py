@@ -15,13 +15,6 @@ import time
 from ember.bench.provenance import git_commit
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def run_ember(ns, workload) -> tuple[dict, object]:
     from ember import LLM, SamplingParams
 
@@ -42,8 +35,8 @@ def run_ember(ns, workload) -> tuple[dict, object]:
     ]
     # Warm-up on a slice of the workload: 64 prompts of 16 tokens each make chunked prefills
     # mixed with decodes, so the Triton kernels' shape variants are compiled before the clock
-    # starts. On a fresh machine (empty Triton cache) the 2-prompt warm-up used before left
-    # those compiles inside the timed run: Qwen3 measured 16-17k tok/s there, 24k warm.
+    # starts. With an empty Triton cache, a 2-prompt warm-up leaves those compiles inside the
+    # timed run (Qwen3 on an H200: 16-17k tok/s instead of 24k).
     # The warm-up prompts are the workload's shifted by one token id, so that none of their
     # blocks is a prefix-cache hit for the timed run.
     vocab = llm.llm_engine.model_config.vocab_size
@@ -90,7 +83,7 @@ def run_ember(ns, workload) -> tuple[dict, object]:
     }, llm
 
 
-def run_hf(ns, workload, cfg, dtype, device) -> dict:
+def run_hf(ns, workload, cfg, dtype, device, platform) -> dict:
     """HF transformers generate on the same weights (read again from disk; random for dummy)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -115,20 +108,20 @@ def run_hf(ns, workload, cfg, dtype, device) -> dict:
     with torch.inference_mode():
         model.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=2,
                        do_sample=False, pad_token_id=pad)  # warm-up
-        _sync(str(device))
+        platform.synchronize()
         start = time.perf_counter()
         model.generate(ids, attention_mask=mask, **gen_kwargs)
-        _sync(str(device))
+        platform.synchronize()
         elapsed = time.perf_counter() - start
         steps = ns.hf_single_output_len or ns.single_output_len  # HF is slow: may be trimmed
         one = torch.tensor([prompts[0][: ns.single_input_len]], device=device)
         t0 = time.perf_counter()
         model.generate(one, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=pad)
-        _sync(str(device))
+        platform.synchronize()
         t1 = time.perf_counter()
         model.generate(one, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                        pad_token_id=pad)
-        _sync(str(device))
+        platform.synchronize()
         t2 = time.perf_counter()
     return {
         "num_requests": n,
@@ -196,12 +189,13 @@ def main(ns: argparse.Namespace) -> int:
     workload = random_workload(ns.num_prompts, _span(ns.input_len), _span(ns.output_len), vocab,
                                ns.seed)
     result["ember"], llm = run_ember(ns, workload)
-    runner = llm.llm_engine.executor.runner
+    executor = llm.llm_engine.executor
+    runner, platform = executor.runner, executor.platform  # HF runs on ember's device
     cfg, dtype, device = llm.llm_engine.model_config, runner.dtype, runner.device
-    del llm, runner  # free ember's KV cache and graphs before HF needs the memory
+    del llm, executor, runner  # free ember's KV cache and graphs before HF needs the memory
     _release_memory(str(device))
     if not ns.no_baseline:
-        result["hf"] = run_hf(ns, workload, cfg, dtype, device)
+        result["hf"] = run_hf(ns, workload, cfg, dtype, device, platform)
         result["ratio_throughput"] = result["ember"]["output_tok_s"] / result["hf"]["output_tok_s"]
         result["ratio_single_stream"] = (
             result["ember"]["single_stream_decode_tok_s"] / result["hf"]["single_stream_decode_tok_s"]
