@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The device run (the lent H200): GPU tests, attention-kernel and engine benchmarks.
-# Usage there: scripts/gpu_suite.sh [PART...]   (with .whl carried; results under $OUT)
+# GPU tests and benchmarks on a CUDA machine: the GPU-marked tests, the attention-kernel and
+# engine benchmarks, each part under its own time limit.
+# Usage: scripts/gpu_suite.sh [PART...]   (wheels from .whl/ installed first; results under $OUT)
 # Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 linear linearpdl latency
 # (default: the first six; ceilings also gives the shipped models' limits; profile1 profiles
 # batch-1 decode of SmolLM2 and Llama-8B; linear times the small-batch linear kernel against
 # cuBLAS; linearpdl: its configs with PDL off and on, alone and after a norm; latency times
-# decode attention per layer at batch 1 and 4). The kernel benchmarks are ember.bench modules. One
-# device call holds at most 10 minutes, so a full suite is split over two calls, e.g.
+# decode attention per layer at batch 1 and 4). The kernel benchmarks are ember.bench modules.
+# Parts run in the order given, so a long suite can be split over runs, e.g.
 #   scripts/gpu_suite.sh ceilings smollm qwen3 llama8b   then   scripts/gpu_suite.sh tests kernels
-# The device's copy of the tree may carry a stale git HEAD: prefix the command with
-# EMBER_COMMIT=<sha of what you sent> so the result files name the right commit.
+# EMBER_COMMIT=<sha> names the commit in the result files where the tree has no usable git HEAD.
 set -u
 LOG_NAME=suite.log
 source "$(dirname "$0")/gpu_common.sh"
@@ -74,7 +74,7 @@ if e:
 EOF
 done
 tail -c 2500 "$LOG"
-# The device returns at most 8 files: pack the results (the log stays readable on its own).
+# Past 8 result files, pack them into one archive (the log stays beside it, readable alone).
 if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
   (cd "$OUT" && tar czf /tmp/results.tgz --exclude="$LOG_NAME" . && find . -type f ! -name "$LOG_NAME" -delete && mv /tmp/results.tgz .)
 fi
