@@ -1,11 +1,12 @@
 """UniProcExecutor: runs the engine's steps on one worker in this process.
 
-Construction is ember.worker.builder's (platform, model, weights, KV cache, graphs); the executor
-keeps what the engine core reads and launches steps.
+Construction is ember.worker.builder's (platform, model, weights, KV cache, graphs, warm-up); the
+executor keeps what the engine core reads (and where its start-up time went) and launches steps.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from ember.config import EngineArgs
@@ -14,10 +15,13 @@ if TYPE_CHECKING:
     from ember.core.scheduler_output import SchedulerOutput
     from ember.worker.in_flight import InFlightStep
 
+logger = logging.getLogger("ember")
+
 
 class UniProcExecutor:
     def __init__(self, args: EngineArgs) -> None:
         from ember.worker.builder import build_worker
+        from ember.worker.startup_profile import format_breakdown
 
         built = build_worker(args)
         self.platform = built.platform
@@ -28,6 +32,9 @@ class UniProcExecutor:
         self.max_num_batched_tokens = built.max_num_batched_tokens
         self.peak_activation_bytes = built.peak_activation_bytes
         self.graph_capture_seconds = built.graph_capture_seconds
+        # Seconds per start-up stage and "total" (ember.worker.startup_profile's keys).
+        self.startup_breakdown: dict[str, float] = built.startup_breakdown
+        logger.info("executor ready in %s", format_breakdown(self.startup_breakdown))
 
     def launch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
         """Start a step without waiting; `.resolve()` on the result gives its ModelRunnerOutput."""

@@ -100,7 +100,11 @@ def _split_plan(seq_len, window, num_splits, BLOCK_N: tl.constexpr, SLIDING: tl.
     return start, tl.maximum(per_split, BLOCK_N)
 
 
-@triton.jit
+# Not specialized: num_splits changes with the batch and (in mixed steps) the longest sequence,
+# stride_bt with the widest block table of an eager step. Triton would compile a variant for a
+# value of 1 and for multiples of 16 of each; neither is on a hot path (a per-program divide,
+# the base of a gathered block-id load), and DIRECT already separates the one-split kernel.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr,
     cache_ptr,
@@ -234,7 +238,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + row, m_i + tl.log2(safe_l), mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # see _decode_kernel; SPLITS_PAD stays
 def _reduce_kernel(
     part_out_ptr,
     part_lse_ptr,

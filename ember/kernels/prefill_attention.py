@@ -64,7 +64,10 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# stride_bt (the step's widest block table, in blocks) changes from step to step; specializing
+# it (1, multiples of 16) would compile up to three variants of each tile shape for nothing:
+# it only offsets the row of a gathered block-id load.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     cache_ptr,

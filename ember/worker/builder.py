@@ -4,13 +4,15 @@ In order: plugins and the platform; the model config (ember.config.resolve_model
 class (the model registry's own resolution); the attention backend (by declared capability); the
 weights (a loader chosen by format, ember.models.loader.formats); quantization; the activation
 peak measured by the platform; the KV cache sized from what is left; decode graphs where platform
-and backend both support them; torch.compile when asked. The executor then only runs steps.
+and backend both support them; torch.compile when asked; warm-up (ember.worker.warmup: dummy
+steps at the engine's shapes, so nothing compiles in the first run). Each stage is timed
+(ember.worker.startup_profile); the executor then only runs steps.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -40,6 +42,8 @@ class BuiltWorker:
     max_num_batched_tokens: int
     peak_activation_bytes: int
     graph_capture_seconds: float
+    # Seconds per start-up stage (ember.worker.startup_profile), and "total".
+    startup_breakdown: dict[str, float] = field(default_factory=dict)
 
 
 def head_size(model_config: ModelConfig) -> int:
@@ -103,30 +107,50 @@ def captures_graphs(args: EngineArgs, platform: Platform,
 
 
 def build_worker(args: EngineArgs) -> BuiltWorker:
-    """Resolve, load, size and capture (see the module docstring for the order)."""
-    from ember.config import resolve_model_config
-    from ember.platforms import resolve_platform
-    from ember.plugins import load_plugins
-    from ember.worker.model_runner import ModelRunner, torch_dtype
+    """Resolve, load, size, capture and warm up (see the module docstring for the order)."""
+    from ember.worker.startup_profile import StartupProfile
 
-    load_plugins()
-    platform = resolve_platform(args.device)
-    platform.seed_everything(args.seed)
-    model_config = resolve_model_config(args, platform)
-    attn_backend = choose_attention_backend(platform, model_config, args.attention_backend)
+    profile = StartupProfile()
+    with profile.stage("imports"):
+        import torch  # noqa: F401  (the first import of torch is most of this stage)
+
+        from ember.config import resolve_model_config
+        from ember.platforms import resolve_platform
+        from ember.plugins import load_plugins
+        from ember.worker.model_runner import ModelRunner, torch_dtype
+        from ember.worker.warmup import run_warmup
+    with profile.stage("plugins"):
+        load_plugins()
+    with profile.stage("platform"):
+        platform = resolve_platform(args.device)
+        platform.seed_everything(args.seed)
+    with profile.stage("config"):
+        model_config = resolve_model_config(args, platform)
+        attn_backend = choose_attention_backend(platform, model_config, args.attention_backend)
     dtype = torch_dtype(model_config.dtype)
-    model = build_model(args, platform, model_config, attn_backend, dtype)
-    runner = ModelRunner(model_config, attn_backend, platform, model, args.block_size)
+    with profile.stage("weights"):
+        model = build_model(args, platform, model_config, attn_backend, dtype)
+        runner = ModelRunner(model_config, attn_backend, platform, model, args.block_size)
     max_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    peak = platform.profile_peak_memory(lambda: runner.profile_run(max_tokens, args.max_num_seqs))
-    num_blocks = kv_cache_num_blocks(args, platform, runner, peak)
-    runner.initialize_kv_cache(num_blocks)
+    with profile.stage("memory_profile"):
+        peak = platform.profile_peak_memory(
+            lambda: runner.profile_run(max_tokens, args.max_num_seqs))
+    with profile.stage("kv_cache"):
+        num_blocks = kv_cache_num_blocks(args, platform, runner, peak)
+        runner.initialize_kv_cache(num_blocks)
     capture_seconds = 0.0
     if captures_graphs(args, platform, attn_backend):
-        capture_seconds = runner.capture_graphs(min(args.max_num_seqs, MAX_GRAPH_BATCH_SIZE))
+        with profile.stage("graph_capture"):
+            capture_seconds = runner.capture_graphs(min(args.max_num_seqs, MAX_GRAPH_BATCH_SIZE))
     if args.compile_model:
         # After graph capture: decode graphs hold the eager kernels (fused ones on CUDA);
         # the compiled model serves the steps that run eagerly (prefill, mixed, large).
-        runner.compile_model()
+        # Wrapping is quick: inductor compiles at the first calls, i.e. in the warm-up.
+        with profile.stage("compile"):
+            runner.compile_model()
+    # Last, so the steps it runs see the model the engine will run (graphs replayed, the
+    # compiled model traced) and everything they compile is what the engine's steps use.
+    with profile.stage("warmup"):
+        run_warmup(runner, num_blocks, max_tokens, args.max_num_seqs)
     return BuiltWorker(platform, model_config, attn_backend, runner, num_blocks, max_tokens,
-                       peak, capture_seconds)
+                       peak, capture_seconds, profile.breakdown())
