@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 from ember.bench.provenance import git_commit
 from ember.bench.serve_client import ClientPlan, RequestResult, run_clients
@@ -68,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let requests stop at EOS (output lengths then vary)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-prompts", type=int, default=1,
+                        help="short requests (16 tokens, prompts of the workload shifted by one "
+                             "token id so the prefix cache misses) sent before the clock starts; "
+                             "64 matches `ember bench throughput`'s warm-up")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
 
@@ -108,6 +113,18 @@ def _plan(ns: argparse.Namespace, base_url: str) -> ClientPlan:
         headers={"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {},
         request_rate=ns.request_rate, max_concurrency=ns.max_concurrency, seed=ns.seed + 1,
     )
+
+
+def _warmup_plan(plan: ClientPlan, count: int) -> ClientPlan:
+    """The first `count` requests, 16 tokens each, token-id prompts shifted by one id, all at
+    once: the measured run then pays no one-time costs and gets no prefix-cache hits from them."""
+    bodies = []
+    for body in plan.bodies[:max(count, 1)]:
+        body = {**body, "max_tokens": 16}
+        if isinstance(body.get("prompt"), list):
+            body["prompt"] = [t + 1 for t in body["prompt"]]
+        bodies.append(body)
+    return replace(plan, bodies=bodies, request_rate=float("inf"), max_concurrency=None)
 
 
 # ---- report ------------------------------------------------------------------------------
@@ -238,10 +255,8 @@ def _stop_server(proc: subprocess.Popen) -> None:
 
 
 def _measure(ns: argparse.Namespace, base_url: str) -> tuple[dict, dict | None]:
-    # Warm-up: one short request, so the first measured one pays no one-time costs.
-    warm = argparse.Namespace(**{**vars(ns), "num_prompts": 1, "output_len": 2})
-    run_clients(_plan(warm, base_url))
     plan = _plan(ns, base_url)
+    run_clients(_warmup_plan(plan, ns.warmup_prompts))
     summary = summarize(*run_clients(plan, ns.client_processes))
     _print(summary, "Serving Benchmark Result")
     poisson = None

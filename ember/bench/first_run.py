@@ -1,0 +1,97 @@
+"""First run against second run in one process, as a new user meets the engine on a fresh machine.
+
+`ember bench throughput` warms up before its clock starts, which hides the one-time costs (kernel
+compiles, autotuning, allocator growth) that land in a user's first `generate`. This module times
+the engine's start-up, then two `generate` calls of the same shape with no warm-up at all: nano-vllm's
+workload (random token ids, input and output lengths uniform in a range, ignore_eos), the second
+call on the same lengths with every token id shifted by one so that it gets no prefix-cache hits.
+The ember log lines emitted in this process during start-up are kept with their times, as the
+start-up's breakdown (an engine core in a child process logs to stderr on its own).
+
+    python -m ember.bench.first_run --model ember/configs/qwen3-0.6b --load-format dummy \
+        --out first_run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from ember.bench.provenance import git_commit
+
+
+class _TimedLog(logging.Handler):
+    """Keeps every record with its time since `start`."""
+
+    def __init__(self, start: float) -> None:
+        super().__init__(logging.DEBUG)
+        self.start = start
+        self.lines: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((round(record.created - self.start, 3), record.getMessage()))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("LO", "HI"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("LO", "HI"))
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    return parser
+
+
+def _timed_generate(llm, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    from ember import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+              for n in output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"elapsed_s": elapsed, "output_tokens": generated, "output_tok_s": generated / elapsed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    from ember import LLM
+    from ember.bench.workloads import random_workload
+    from ember.config import load_hf_config, resolve_model_path
+
+    vocab = load_hf_config(resolve_model_path(ns.model))[0].vocab_size
+    workload = random_workload(ns.num_prompts, tuple(ns.input_len), tuple(ns.output_len), vocab,
+                               ns.seed)
+    log = _TimedLog(time.time())
+    ember_logger = logging.getLogger("ember")
+    ember_logger.addHandler(log)
+    start = time.perf_counter()
+    llm = LLM(ns.model, load_format=ns.load_format, max_model_len=ns.max_model_len,
+              skip_tokenizer_init=ns.load_format == "dummy")
+    startup = time.perf_counter() - start
+    ember_logger.removeHandler(log)
+    first = _timed_generate(llm, workload.prompts, workload.output_lens)
+    shifted = [[(t + 1) % vocab for t in p] for p in workload.prompts]
+    second = _timed_generate(llm, shifted, workload.output_lens)
+    result = {
+        "date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "args": vars(ns),
+        "startup_s": startup, "startup_log": log.lines, "first": first, "second": second,
+        "first_over_second": first["output_tok_s"] / second["output_tok_s"],
+    }
+    print(json.dumps(result, indent=2))
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(result, f, indent=2)
+    llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
