@@ -1,12 +1,13 @@
 """Test helpers for the OpenAI server: uvicorn in a background thread on a free loopback port,
 one shared default-model server per test process, and a Prometheus text parser.
 
-The shared server runs in-process so tests can also reach its engine (`server.engine`) and check
-from the engine thread that every KV block is free again.
+The shared server's front end runs in the test process (its engine core in a child process), so
+tests can reach the AsyncLLM (`server.engine`) and ask the core that every KV block is free again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -75,17 +76,17 @@ class SharedServer:
     def base_url(self) -> str:
         return self.open.base_url
 
-    def engine_call(self, fn, timeout: float = 60.0):
-        """Run fn(LLMEngine) on the engine thread (no race with a running step)."""
-        return self.engine.run_on_engine(fn).result(timeout)
+    def assert_idle(self, timeout: float = 60.0) -> None:
+        """Wait until no request is left (aborts land a step after a disconnect), then check
+        that the engine core holds no request and every KV block is free."""
+        from conftest import assert_all_blocks_free_async
 
-    def wait_idle(self, timeout: float = 60.0) -> None:
-        """Wait until the engine has no request left (aborts land one step after a disconnect)."""
         deadline = time.monotonic() + timeout
-        while self.engine_call(lambda e: e.get_num_unfinished_requests() > 0):
+        while self.engine.stats()["num_unfinished_requests"] > 0:
             if time.monotonic() > deadline:
                 raise AssertionError("requests still unfinished in the engine")
             time.sleep(0.05)
+        asyncio.run(asyncio.wait_for(assert_all_blocks_free_async(self.engine), timeout))
 
     def stop(self) -> None:
         self.open.stop()

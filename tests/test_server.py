@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-from conftest import assert_all_blocks_free
 from server_utils import MODEL_NAME, metric, parse_metrics
 
 PROMPT = "The capital of France is"
@@ -167,8 +166,7 @@ def test_tokenize_detokenize(server):
 
 
 def _wait_free(server) -> None:
-    server.wait_idle()
-    server.engine_call(assert_all_blocks_free)
+    server.assert_idle()
 
 
 def test_stream_disconnect_frees_blocks(server):

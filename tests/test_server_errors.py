@@ -133,10 +133,7 @@ def test_crashed_engine_answers_503(tmp_path):
     engine = AsyncLLM.from_engine_args(
         EngineArgs(model=str(path), skip_tokenizer_init=True, num_gpu_blocks_override=64))
 
-    def broken_step():
-        raise RuntimeError("kernel exploded")
-
-    engine.engine.step = broken_step
+    engine.call_core_sync("inject_step_failure", "kernel exploded")
     srv = ServerThread(build_app(engine, ["tiny"])).start()
     try:
         url = srv.base_url

@@ -11,7 +11,6 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import assert_all_blocks_free
 from server_utils import MODEL_NAME, metric, parse_metrics, shared_server
 
 NUM_REQUESTS = 200
@@ -67,8 +66,7 @@ def test_200_concurrent_streaming_chats():
             prompt_total += usage.prompt_tokens
             completion_total += usage.completion_tokens
 
-    server.wait_idle()
-    server.engine_call(assert_all_blocks_free)
+    server.assert_idle()
     after = parse_metrics(httpx.get(url + "/metrics").text)
 
     def delta(name: str, **labels: str) -> float:

@@ -16,8 +16,12 @@ from ember.bench.provenance import git_commit
 
 
 def run_ember(ns, workload) -> tuple[dict, object]:
+    import os
+
     from ember import LLM, SamplingParams
 
+    if ns.engine_process:
+        os.environ["EMBER_ENGINE_PROCESS"] = "1"
     start = time.perf_counter()
     llm = LLM(
         ns.model, load_format=ns.load_format, dtype=ns.dtype, max_model_len=ns.max_model_len,
@@ -43,14 +47,18 @@ def run_ember(ns, workload) -> tuple[dict, object]:
     warm = [{"prompt_token_ids": [(t + 1) % vocab for t in p]} for p in workload.prompts[:64]]
     llm.generate(warm, [SamplingParams(max_tokens=16, ignore_eos=True)] * len(warm),
                  use_tqdm=False)
-    timer = llm.llm_engine.timer
-    timer.seconds.clear()
-    timer.steps = 0
+    engine = llm.llm_engine
+    in_process = not engine.client.multiprocess
+    timer = engine.engine_core.timer if in_process else None  # the step timer lives in the core
+    if timer is not None:
+        timer.seconds.clear()
+        timer.steps = 0
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not ns.no_tqdm)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    timing = {"num_steps": timer.steps, **timer.summary()} if timer.enabled else None
+    timing = ({"num_steps": timer.steps, **timer.summary()}
+              if timer is not None and timer.enabled else None)
     assert generated == workload.num_output_tokens, "ember generated fewer tokens than asked"
     # Single stream: one request, decode only (time per token after the first).
     single = SamplingParams(max_tokens=ns.single_output_len, ignore_eos=True, detokenize=False)
@@ -60,17 +68,17 @@ def run_ember(ns, workload) -> tuple[dict, object]:
     metrics = out.metrics
     decode_time = metrics.last_token_time - metrics.first_token_time
     single_tps = (len(out.outputs[0].token_ids) - 1) / decode_time
-    engine = llm.llm_engine
-    executor = engine.executor
     peak = None
-    if str(executor.runner.device).startswith("cuda"):
+    if in_process and str(engine.executor.runner.device).startswith("cuda"):
         import torch
 
         peak = torch.cuda.max_memory_allocated() / 2**30
     return {
-        "backend": executor.attn_backend.name,
-        "async_scheduling": engine.async_scheduling,
-        "cuda_graph_capture_s": getattr(executor, "graph_capture_seconds", 0.0),
+        "engine_core": "in process" if in_process else "own process",
+        "backend": engine.attention_backend_name,
+        "async_scheduling": engine.ready.async_scheduling,
+        "cuda_graph_capture_s": (getattr(engine.executor, "graph_capture_seconds", 0.0)
+                                 if in_process else None),
         "peak_memory_gib": peak,
         "startup_s": startup,
         "elapsed_s": elapsed,
@@ -78,7 +86,7 @@ def run_ember(ns, workload) -> tuple[dict, object]:
         "total_tok_s": (generated + workload.num_prompt_tokens) / elapsed,
         "single_stream_decode_tok_s": single_tps,
         "kv_cache_tokens": engine.num_total_blocks() * engine.args.block_size,
-        "num_preemptions": engine.scheduler.num_preemptions,
+        "num_preemptions": engine.stats()["num_preemptions"],
         "step_phase_ms": timing,
     }, llm
 
@@ -157,6 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-output-len", type=int, default=128)
     parser.add_argument("--hf-single-output-len", type=int, default=None,
                         help="HF's single-stream length (default: --single-output-len)")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="run the engine core in its own process (EMBER_ENGINE_PROCESS=1)")
     parser.add_argument("--no-tqdm", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -189,10 +199,15 @@ def main(ns: argparse.Namespace) -> int:
     workload = random_workload(ns.num_prompts, _span(ns.input_len), _span(ns.output_len), vocab,
                                ns.seed)
     result["ember"], llm = run_ember(ns, workload)
-    executor = llm.llm_engine.executor
-    runner, platform = executor.runner, executor.platform  # HF runs on ember's device
-    cfg, dtype, device = llm.llm_engine.model_config, runner.dtype, runner.device
-    del llm, executor, runner  # free ember's KV cache and graphs before HF needs the memory
+    import torch
+
+    from ember.platforms import resolve_platform
+
+    platform = resolve_platform(None)  # HF runs on ember's device, in ember's dtype
+    cfg = llm.llm_engine.model_config
+    dtype, device = getattr(torch, cfg.dtype), torch.device(platform.device())
+    llm.shutdown()
+    del llm  # free ember's KV cache and graphs before HF needs the memory
     _release_memory(str(device))
     if not ns.no_baseline:
         result["hf"] = run_hf(ns, workload, cfg, dtype, device, platform)
