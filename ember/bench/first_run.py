@@ -5,8 +5,9 @@ compiles, autotuning, allocator growth) that land in a user's first `generate`. 
 the engine's start-up, then two `generate` calls of the same shape with no warm-up at all: nano-vllm's
 workload (random token ids, input and output lengths uniform in a range, ignore_eos), the second
 call on the same lengths with every token id shifted by one so that it gets no prefix-cache hits.
-The ember log lines emitted in this process during start-up are kept with their times, as the
-start-up's breakdown (an engine core in a child process logs to stderr on its own).
+The executor's start-up breakdown (seconds per stage) is kept, and so are the ember log lines
+emitted in this process during start-up, with their times (an engine core in a child process logs
+to stderr on its own).
 
     python -m ember.bench.first_run --model ember/configs/qwen3-0.6b --load-format dummy \
         --out first_run.json
@@ -60,6 +61,15 @@ def _timed_generate(llm, prompts: list[list[int]], output_lens: list[int]) -> di
     return {"elapsed_s": elapsed, "output_tokens": generated, "output_tok_s": generated / elapsed}
 
 
+def _startup_breakdown(llm) -> dict[str, float] | None:
+    """Seconds per start-up stage, from the executor, when the engine core runs in this process
+    (in its own process it logs the same breakdown to stderr)."""
+    try:
+        return dict(llm.llm_engine.executor.startup_breakdown)
+    except Exception:  # no in-process executor, or an engine without the profile
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     from ember import LLM
@@ -69,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab = load_hf_config(resolve_model_path(ns.model))[0].vocab_size
     workload = random_workload(ns.num_prompts, tuple(ns.input_len), tuple(ns.output_len), vocab,
                                ns.seed)
+    from ember import envs
+
+    # As the CLI does, so the engine's INFO lines (its start-up breakdown among them) show.
+    logging.basicConfig(level=envs.logging_level(), format="%(levelname)s %(name)s: %(message)s")
     log = _TimedLog(time.time())
     ember_logger = logging.getLogger("ember")
     ember_logger.addHandler(log)
@@ -82,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     second = _timed_generate(llm, shifted, workload.output_lens)
     result = {
         "date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "args": vars(ns),
-        "startup_s": startup, "startup_log": log.lines, "first": first, "second": second,
+        "startup_s": startup, "startup_breakdown": _startup_breakdown(llm),
+        "startup_log": log.lines, "first": first, "second": second,
         "first_over_second": first["output_tok_s"] / second["output_tok_s"],
     }
     print(json.dumps(result, indent=2))

@@ -105,6 +105,11 @@ def render(out_dir: str) -> str:
             f"second {first['second']['output_tok_s']:,.0f} tok/s, "
             f"first/second {first['first_over_second']:.0%}"
         )
+        breakdown = first.get("startup_breakdown") or {}
+        if breakdown:
+            stages = sorted(((k, v) for k, v in breakdown.items() if k != "total"),
+                            key=lambda kv: -kv[1])
+            lines.append("start-up by stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages))
         for seconds, message in first.get("startup_log", []):
             lines.append(f"  +{seconds:6.1f} s  {message}")
     return "\n".join(lines)
