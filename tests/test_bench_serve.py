@@ -50,7 +50,7 @@ def test_bench_serve_two_client_processes_and_poisson_follow_up(tmp_path):
     assert serve.main(ns) == 0
     record = json.loads(out.read_text())
     results, poisson = record["results"], record["poisson"]
-    assert record["client_processes"] == 2
+    assert record["client_processes"] == 2 and 0 < results["client_cpu_busy"]
     assert results["completed"] == 6 and results["failed"] == 0
     assert results["total_output_tokens"] == 18 and results["total_input_tokens"] == 48
     assert 0 < results["p50_ttft_ms"] <= results["p99_ttft_ms"]
@@ -133,4 +133,4 @@ def test_serve_table_reads_the_script_outputs(tmp_path):
     lines = table.splitlines()
     assert lines[2].startswith("| smollm |") and "60,000" in lines[2]  # offline only
     assert "| qwen3 | 256/256 | 1 | 30,000 | 15,000 | 50% | 7.90 s / 18.30 s |" in lines[3]
-    assert "| 4 |" in lines[4] and "90%" in lines[4] and "52.5 | 0.09 s / 0.30 s |" in lines[4]
+    assert "| 4 |" in lines[4] and "90%" in lines[4] and "52.5 | 0.09 s / 0.30 s | - |" in lines[4]

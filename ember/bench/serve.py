@@ -28,7 +28,7 @@ import time
 from dataclasses import replace
 
 from ember.bench.provenance import git_commit
-from ember.bench.serve_client import ClientPlan, RequestResult, run_clients
+from ember.bench.serve_client import ClientPlan, ClientRun, RequestResult, run_clients
 
 PERCENTILES = (50, 90, 99)
 
@@ -144,7 +144,8 @@ def _summary(name: str, values: list[float]) -> dict:
     return out
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict:
+def summarize(results: list[RequestResult], duration: float,
+              client_cpu_busy: float | None = None) -> dict:
     ok = [r for r in results if r.ok]
     output = sum(r.output_tokens for r in ok)
     prompt = sum(r.prompt_tokens for r in ok)
@@ -160,11 +161,17 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "output_throughput": output / duration,
         "total_token_throughput": (prompt + output) / duration,
     }
+    if client_cpu_busy is not None:
+        summary["client_cpu_busy"] = client_cpu_busy
     summary.update(_summary("ttft", [r.ttft for r in ok]))
     summary.update(_summary("tpot", tpot))
     summary.update(_summary("itl", [v for r in ok for v in r.itl]))
     summary.update(_summary("e2el", [r.latency for r in ok]))
     return summary
+
+
+def _summarize_run(run: ClientRun) -> dict:
+    return summarize(run.results, run.duration, run.client_cpu_busy)
 
 
 def _print(summary: dict, title: str) -> None:
@@ -257,14 +264,14 @@ def _stop_server(proc: subprocess.Popen) -> None:
 def _measure(ns: argparse.Namespace, base_url: str) -> tuple[dict, dict | None]:
     plan = _plan(ns, base_url)
     run_clients(_warmup_plan(plan, ns.warmup_prompts))
-    summary = summarize(*run_clients(plan, ns.client_processes))
+    summary = _summarize_run(run_clients(plan, ns.client_processes))
     _print(summary, "Serving Benchmark Result")
     poisson = None
     if ns.poisson_at_fraction and summary["request_throughput"] > 0:
         rate = ns.poisson_at_fraction * summary["request_throughput"]
         poisson_plan = _plan(argparse.Namespace(**{**vars(ns), "request_rate": rate}), base_url)
         poisson = {"request_rate": rate,
-                   **summarize(*run_clients(poisson_plan, ns.client_processes))}
+                   **_summarize_run(run_clients(poisson_plan, ns.client_processes))}
         _print(poisson, f"Poisson at {rate:.2f} req/s")
     return summary, poisson
 

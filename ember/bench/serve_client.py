@@ -90,9 +90,28 @@ async def _one(client, path: str, body: dict, headers: dict) -> RequestResult:
     return result
 
 
-async def _send(plan: ClientPlan, barrier=None) -> tuple[list[RequestResult], float, float]:
-    """Runs one plan; returns its results and its start and end on the monotonic clock, which
-    all processes of one machine share (so runs of several processes can be merged)."""
+@dataclass
+class ShareRun:
+    """One client loop's run: start and end on the monotonic clock, which all processes of one
+    machine share (so runs of several processes merge), and the CPU time the loop used."""
+
+    results: list[RequestResult]
+    start: float
+    end: float
+    cpu_s: float
+
+
+@dataclass
+class ClientRun:
+    results: list[RequestResult]
+    duration: float
+    # The busiest client process's CPU time over the run's duration: near 1.0 means the client,
+    # not the server, may have set the pace (add --client-processes).
+    client_cpu_busy: float
+
+
+async def _send(plan: ClientPlan, barrier=None) -> ShareRun:
+    """Runs one plan in this process's event loop."""
     import httpx
 
     rng = random.Random(plan.seed)
@@ -107,14 +126,14 @@ async def _send(plan: ClientPlan, barrier=None) -> tuple[list[RequestResult], fl
 
         if barrier is not None:
             barrier.wait(_START_TIMEOUT_S)  # nothing else runs on this loop yet
-        start = time.monotonic()
+        start, cpu_start = time.monotonic(), time.process_time()
         tasks = []
         for body in plan.bodies:
             tasks.append(asyncio.ensure_future(limited(body)))
             if plan.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(plan.request_rate))
         results = await asyncio.gather(*tasks)
-        return list(results), start, time.monotonic()
+        return ShareRun(list(results), start, time.monotonic(), time.process_time() - cpu_start)
 
 
 _barrier: threading.Barrier | None = None
@@ -128,22 +147,21 @@ def _init_worker(barrier) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _send_in_worker(plan: ClientPlan) -> tuple[list[RequestResult], float, float]:
+def _send_in_worker(plan: ClientPlan) -> ShareRun:
     return asyncio.run(_send(plan, _barrier))
 
 
-def run_clients(plan: ClientPlan, processes: int = 1) -> tuple[list[RequestResult], float]:
-    """Sends the plan from `processes` client processes (1: in this process); returns every
-    request's result and the run's duration in seconds."""
+def run_clients(plan: ClientPlan, processes: int = 1) -> ClientRun:
+    """Sends the plan from `processes` client processes (1: in this process)."""
     if processes <= 1:
-        results, start, end = asyncio.run(_send(plan))
-        return results, end - start
-    shares = plan.split(processes)
-    context = multiprocessing.get_context("spawn")  # no fork of a process with threads
-    barrier = context.Barrier(len(shares))
-    with ProcessPoolExecutor(len(shares), mp_context=context, initializer=_init_worker,
-                             initargs=(barrier,)) as pool:
-        runs = list(pool.map(_send_in_worker, shares))
-    results = [r for share_results, _, _ in runs for r in share_results]
-    duration = max(end for _, _, end in runs) - min(start for _, start, _ in runs)
-    return results, duration
+        runs = [asyncio.run(_send(plan))]
+    else:
+        shares = plan.split(processes)
+        context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+        barrier = context.Barrier(len(shares))
+        with ProcessPoolExecutor(len(shares), mp_context=context, initializer=_init_worker,
+                                 initargs=(barrier,)) as pool:
+            runs = list(pool.map(_send_in_worker, shares))
+    duration = max(run.end for run in runs) - min(run.start for run in runs)
+    return ClientRun(results=[r for run in runs for r in run.results], duration=duration,
+                     client_cpu_busy=max(run.cpu_s for run in runs) / duration)

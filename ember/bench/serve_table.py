@@ -31,6 +31,10 @@ def _num(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
 def _seconds(ms: float | None) -> str:
     return "-" if ms is None else f"{ms / 1000:.2f} s"
 
@@ -70,6 +74,7 @@ def serve_rows(out_dir: str) -> list[dict]:
                 "poisson_rate": poisson.get("request_rate"),
                 "poisson_ttft_p50_ms": poisson.get("p50_ttft_ms"),
                 "poisson_ttft_p99_ms": poisson.get("p99_ttft_ms"),
+                "client_cpu_busy": served.get("client_cpu_busy"),
             })
     return rows
 
@@ -77,24 +82,24 @@ def serve_rows(out_dir: str) -> list[dict]:
 def render(out_dir: str) -> str:
     lines = [
         "| model | in/out | N | offline tok/s | served tok/s | served/offline | "
-        "TTFT p50 / p99 (burst) | Poisson req/s | TTFT p50 / p99 (Poisson) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "TTFT p50 / p99 (burst) | Poisson req/s | TTFT p50 / p99 (Poisson) | client CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in serve_rows(out_dir):
         if "served_tok_s" not in row:
             lines.append(f"| {row['model']} | - | - | {_num(row['offline_tok_s'])} |"
-                         " - | - | - | - | - |")
+                         " - | - | - | - | - | - |")
             continue
-        ratio = row["served_over_offline"]
         failed = f" ({row['failed']} failed)" if row["failed"] else ""
         lines.append(
             f"| {row['model']} | {row['input_len']}/{row['output_len']} | "
             f"{row['api_server_count']} | {_num(row['offline_tok_s'])} | "
             f"{_num(row['served_tok_s'])}{failed} | "
-            f"{'-' if ratio is None else f'{ratio:.0%}'} | "
+            f"{_percent(row['served_over_offline'])} | "
             f"{_seconds(row['ttft_p50_ms'])} / {_seconds(row['ttft_p99_ms'])} | "
             f"{_num(row['poisson_rate'], 1)} | "
-            f"{_seconds(row['poisson_ttft_p50_ms'])} / {_seconds(row['poisson_ttft_p99_ms'])} |"
+            f"{_seconds(row['poisson_ttft_p50_ms'])} / {_seconds(row['poisson_ttft_p99_ms'])} | "
+            f"{_percent(row['client_cpu_busy'])} |"
         )
     first = _load(os.path.join(out_dir, "first_run.json"))
     if first:
