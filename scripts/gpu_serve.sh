@@ -24,8 +24,8 @@ LOG=$OUT/$LOG_NAME
 : >"$LOG"
 PARTS=${*:-fresh smollm qwen3 llama8b}
 BUDGET=${BUDGET:-570}
-SERVE_N=${SERVE_N:-4}          # the larger --api-server-count (1 is always run)
-CLIENTS=${CLIENTS:-6}          # client processes of bench serve (one reads ~20k chunks/s)
+SERVE_N=${SERVE_N:-4}          # the larger --api-server-count(s), e.g. "2 4"; 1 is always run
+CLIENTS=${CLIENTS:-6}          # client processes of bench serve (one read ~17k chunks/s on a dev box)
 NUM=${NUM_PROMPTS:-1000}
 MAXLEN=4096
 WARMUP=64                      # served warm-up requests, as bench throughput's warm-up
@@ -51,21 +51,23 @@ limited() {  # limited NAME SECONDS CMD...: `stage`, capped to what is left of $
 
 model_part() {  # model_part NAME CONFIG INPUT_LEN OUTPUT_LEN OFFLINE_S SERVE_S
   local name=$1 config=$2 in=$3 out=$4 offline_s=$5 serve_s=$6
-  local dir=$MODELS/$config len=$in
+  local dir=$MODELS/$config
   local work="--num-prompts $NUM --input-len $in --output-len $out"
-  [ "${SERVE_DRY:-0}" = 1 ] && work="--num-prompts $NUM --input-len 16 --output-len 8" && len=16
+  [ "${SERVE_DRY:-0}" = 1 ] && work="--num-prompts $NUM --input-len 16 --output-len 8"
   limited "${name}_model" 60 python3 -m ember.bench.word_tokenizer "ember/configs/$config" "$dir"
   limited "${name}_offline" "$offline_s" $BENCH --model "$dir" $work --max-model-len $MAXLEN \
-    --no-baseline --single-output-len $SINGLE --single-input-len "$len" \
+    --no-baseline --single-output-len $SINGLE \
     --out "$OUT/${name}_offline.json"
-  local n poisson
-  for n in 1 "$SERVE_N"; do
-    poisson=""
-    [ "$n" = "$SERVE_N" ] && poisson="--poisson-at-fraction 0.5" && serve_s=$((serve_s * 2))
-    limited "${name}_serve_n$n" "$serve_s" python3 -m ember.entrypoints.cli bench serve \
-      --model "$dir" --server-args "--load-format dummy --max-model-len $MAXLEN --api-server-count $n" \
-      $work --client-processes "$CLIENTS" --warmup-prompts $WARMUP $poisson \
-      --out "$OUT/${name}_serve_n$n.json"
+  # The last (largest) N also runs the Poisson follow-up on its server, at half the burst's
+  # request throughput; a short shutdown timeout keeps a stage cut by its limit short.
+  local n poisson limit largest=${SERVE_N##* }
+  for n in 1 $SERVE_N; do
+    poisson="" limit=$serve_s
+    [ "$n" = "$largest" ] && poisson="--poisson-at-fraction 0.5" && limit=$((serve_s * 2))
+    limited "${name}_serve_n$n" "$limit" python3 -m ember.entrypoints.cli bench serve \
+      --model "$dir" --server-args "--load-format dummy --max-model-len $MAXLEN \
+      --api-server-count $n --shutdown-timeout 5" $work --client-processes "$CLIENTS" \
+      --warmup-prompts $WARMUP $poisson --out "$OUT/${name}_serve_n$n.json"
   done
 }
 
@@ -81,7 +83,8 @@ for part in $PARTS; do
 done
 
 python3 -m ember.bench.serve_table "$OUT" | tee "$OUT/summary.md"
-grep -h "ready in" "$LOG" | sort | uniq -c | tail -20
+# Start-up per stage: the engine's "... ready in" lines (with their breakdown), named by stage.
+awk '/^=== .* \(limit/ {stage = $2} /^INFO ember: .*ready in/ {sub(/^INFO ember: /, ""); print stage ": " $0}' "$LOG" | tail -24
 # The device returns at most 8 files: pack the JSON results (the log and the table stay apart).
 if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
   (cd "$OUT" && tar czf /tmp/serve_results.tgz ./*.json && rm -f ./*.json \

@@ -6,7 +6,8 @@ process at --request-rate (inf = all at once), at most --max-concurrency in flig
 --client-processes client processes (serve_client.py); reports request and token throughput and
 TTFT / TPOT / ITL / end-to-end latency percentiles; --out writes the results as JSON, with the
 server's command line. --poisson-at-fraction F adds a second run on the same server, Poisson at F
-times the first run's request throughput (TTFT under load that the server keeps up with).
+times the first run's request throughput (TTFT under load that the server keeps up with), on new
+prompts of the same lengths.
 
 A dummy-weight model directory holds only config.json; the started server then gets a copy of it
 with a word-level tokenizer of the config's vocabulary size (word_tokenizer.py), made
@@ -269,7 +270,9 @@ def _measure(ns: argparse.Namespace, base_url: str) -> tuple[dict, dict | None]:
     poisson = None
     if ns.poisson_at_fraction and summary["request_throughput"] > 0:
         rate = ns.poisson_at_fraction * summary["request_throughput"]
-        poisson_plan = _plan(argparse.Namespace(**{**vars(ns), "request_rate": rate}), base_url)
+        # New prompts (another seed): the burst's would all be prefix-cache hits by now.
+        poisson_ns = argparse.Namespace(**{**vars(ns), "request_rate": rate, "seed": ns.seed + 1})
+        poisson_plan = _plan(poisson_ns, base_url)
         poisson = {"request_rate": rate,
                    **_summarize_run(run_clients(poisson_plan, ns.client_processes))}
         _print(poisson, f"Poisson at {rate:.2f} req/s")
