@@ -37,6 +37,8 @@ if [ "${SERVE_DRY:-0}" = 1 ]; then
   FRESH_WORK="--num-prompts 4 --input-len 8 16 --output-len 4 8"
 fi
 MODELS=/tmp/ember-serve-models
+# A burst holds $NUM connections open at once, in one server process when N=1.
+ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
 limited() {  # limited NAME SECONDS CMD...: `stage`, capped to what is left of $BUDGET
   local name=$1 limit=$2; shift 2
