@@ -198,9 +198,12 @@ def _free_port() -> int:
 def _wants_word_tokenizer(ns: argparse.Namespace) -> bool:
     from ember.bench.word_tokenizer import has_tokenizer
 
+    is_dir = bool(ns.model) and os.path.isdir(ns.model)
+    if ns.word_tokenizer and not is_dir:
+        raise SystemExit("--word-tokenizer needs --model DIR, a directory holding config.json")
     if ns.word_tokenizer is not None:
         return ns.word_tokenizer
-    return bool(ns.model) and os.path.isdir(ns.model) and not has_tokenizer(ns.model)
+    return is_dir and not has_tokenizer(ns.model)
 
 
 def _server_command(ns: argparse.Namespace, model: str | None, port: int) -> list[str]:
