@@ -1,6 +1,7 @@
 """Start-up warm-up and profile: the plan stays within the engine's limits, the build runs it and
-reports it in ``startup_breakdown``, and it changes nothing: the same tokens (greedy with
-logprobs, seeded and unseeded random) as an engine built without it, every KV block free."""
+reports it in ``startup_breakdown``, and it changes nothing: the KV caches are all zeros again,
+and the engine gives the same tokens (greedy with logprobs, prompt logprobs, seeded and unseeded
+random) as one built without it, with every KV block free afterwards."""
 
 from __future__ import annotations
 
@@ -73,7 +74,10 @@ def _build(model: str, monkeypatch, run_warmup) -> tuple[LLM, dict]:
     monkeypatch.delenv("EMBER_ENGINE_PROCESS", raising=False)  # the executor in this process
     monkeypatch.setattr(warmup, "run_warmup", run_warmup)
     llm = LLM(model, **ENGINE)
-    return llm, llm.llm_engine.executor.startup_breakdown
+    executor = llm.llm_engine.executor
+    # Every block the dummy requests wrote is zero again: the cache is as allocated.
+    assert all(not cache.any() for cache in executor.runner.kv_caches)
+    return llm, executor.startup_breakdown
 
 
 @pytest.mark.parametrize("full", [False, True])

@@ -36,6 +36,17 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _lazily_zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in host memory that cost nothing until written: numpy's zeros come from calloc,
+    whose large blocks are fresh (already zero) pages from the OS, where torch.zeros writes
+    every byte (seconds for a 4 GiB CPU KV cache, most of it never used by a short run).
+    64-byte aligned, as torch's own CPU allocations are."""
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
+    offset = -raw.data_ptr() % 64
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+
 def _uses_penalties(params) -> bool:
     return (
         params.presence_penalty != 0.0
@@ -106,6 +117,10 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         num_layers, kv_heads, head_size = self.kv_geometry()
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, kv_heads, head_size)
+        if self.platform.device_is_host():
+            self.kv_caches = [_lazily_zeroed_host_tensor(shape, self.dtype)
+                              for _ in range(num_layers)]
+            return
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)
         ]

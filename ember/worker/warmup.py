@@ -18,12 +18,12 @@ log-softmax. The plan below covers each of those axes without knowing any kernel
   counts 1, 4, 16, 64 and L in {2, 3} x 2^k up to max_model_len: the split-KV decode chooses its
   split count from the decode count and L.
 Where the device is the host nothing compiles per shape (no Triton on the CPU, and memory
-profiling has already run the largest step), so there two small steps take the runner's and the
-sampler's paths once and the sweeps are skipped.
+profiling has already run the largest step), so there two small steps take the runner's main
+paths once (the first forward's one-time costs move into start-up) and the sweeps are skipped.
 
-Dummy requests write their keys and values into blocks of the pool (block ids wrap around
-num_blocks); the KV cache manager does not exist yet and never hears of them, and the caches
-are zeroed afterwards, so the engine starts from exactly the state it would have without
+Dummy requests write their keys and values into the first blocks of the pool (block ids wrap
+around num_blocks); the KV cache manager does not exist yet and never hears of them, and those
+blocks are zeroed afterwards, so the engine starts from exactly the state it would have without
 warm-up. The random number generators are restored too: unseeded sampling draws the same
 numbers as it would have.
 """
@@ -88,17 +88,15 @@ def largest_prefill(max_tokens: int, max_num_seqs: int, max_model_len: int) -> l
 def warmup_plan(max_tokens: int, max_num_seqs: int, max_model_len: int,
                 full: bool) -> list[list[DummyRequest]]:
     """The dummy steps, in order (see the module docstring for why each is there). Without
-    ``full`` (a device that compiles nothing per shape) two small steps take the runner's and
-    the sampler's paths once: a mixed step and a decode step of special sampling rows."""
+    ``full`` (a device that compiles nothing per shape) two one- or two-row steps take the
+    runner's main paths once: a mixed step (greedy, prompt logprobs) and a seeded decode."""
     special = (TOP_K_TOP_P, SEEDED, PENALTIES, LOGPROBS, PLAIN_RANDOM, GREEDY)
     if not full:
         chunk = min(4, max_tokens - 1, max_model_len)
-        steps = [[DummyRequest(DECODE_CONTEXT, 1, TOP_K_TOP_P)]]
+        first = [DummyRequest(DECODE_CONTEXT, 1, GREEDY)]
         if chunk >= 2 and max_num_seqs >= 2:
-            steps = [[DummyRequest(DECODE_CONTEXT, 1), DummyRequest(chunk, chunk, PROMPT_LOGPROBS)]]
-        num_special = min(len(special), max_num_seqs, max_tokens)
-        steps.append([DummyRequest(DECODE_CONTEXT, 1, p) for p in special[:num_special]])
-        return steps
+            first.append(DummyRequest(chunk, chunk, PROMPT_LOGPROBS))
+        return [first, [DummyRequest(DECODE_CONTEXT, 1, SEEDED)]]
     steps = [largest_prefill(max_tokens, max_num_seqs, max_model_len)]
     longest_chunk = min(max_tokens, max_model_len, SHORT_PREFILL_MAX)
     chunks = _powers_of_two(2, longest_chunk)
@@ -158,6 +156,22 @@ def _run_step(runner: ModelRunner, step: list[DummyRequest], index: int, num_blo
     runner.launch(SchedulerOutput(finished_req_ids=set(out.num_scheduled_tokens)))
 
 
+def _zero_blocks(runner: ModelRunner, num_blocks: int, count: int) -> None:
+    """Zero blocks [0, count) of every layer's cache. The block axis is the one that grows when
+    the backend's cache shape is asked for one block more; if that is not a single axis, zero
+    it all (writing a whole host cache would cost seconds: its pages are still untouched)."""
+    num_layers, kv_heads, head_size = runner.kv_geometry()
+    shape = runner.attn_backend.kv_cache_shape
+    sizes = shape(num_blocks, runner.block_size, kv_heads, head_size)
+    grown = shape(num_blocks + 1, runner.block_size, kv_heads, head_size)
+    axes = [i for i, (a, b) in enumerate(zip(sizes, grown)) if a != b]
+    for cache in runner.kv_caches:
+        if len(axes) == 1 and len(sizes) == len(grown) and tuple(cache.shape) == tuple(sizes):
+            cache.narrow(axes[0], 0, count).zero_()
+        else:
+            cache.zero_()
+
+
 def _fork_rng(device: torch.device):
     if device.type == "cpu":
         return torch.random.fork_rng(devices=[])
@@ -184,8 +198,10 @@ def run_warmup(runner: ModelRunner, num_blocks: int, max_tokens: int, max_num_se
             _run_step(runner, step, index, num_blocks)
         platform.synchronize()
     runner.in_flight = None
-    for cache in runner.kv_caches:
-        cache.zero_()  # junk from the dummy requests: start from the state without warm-up
+    # Junk from the dummy requests: start from the state the engine would have without warm-up.
+    used = min(max(-(-r.num_tokens // runner.block_size) for step in plan for r in step),
+               num_blocks)
+    _zero_blocks(runner, num_blocks, used)
     platform.synchronize()
     logger.info("warm-up: %d dummy steps in %.1f s", len(plan), time.perf_counter() - start)
     return len(plan)
