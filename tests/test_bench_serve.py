@@ -42,6 +42,7 @@ def test_bench_serve_small(tmp_path):
     assert record["client_processes"] == 1 and record["server_cmd"] is None  # --base-url
 
 
+@pytest.mark.slow  # two spawned client processes and two runs: 15-30 s on a shared 2-core box
 def test_bench_serve_two_client_processes_and_poisson_follow_up(tmp_path):
     out = tmp_path / "r.json"
     ns = _bench_args("--num-prompts", "6", "--input-len", "8", "--output-len", "3",

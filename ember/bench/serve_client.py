@@ -147,14 +147,26 @@ def _init_worker(barrier) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+def _run_loop(coroutine):
+    """asyncio.run, on uvloop where it is installed (a faster loop: more chunks read per second)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    if not hasattr(asyncio, "Runner"):  # Python 3.10
+        return asyncio.run(coroutine)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coroutine)
+
+
 def _send_in_worker(plan: ClientPlan) -> ShareRun:
-    return asyncio.run(_send(plan, _barrier))
+    return _run_loop(_send(plan, _barrier))
 
 
 def run_clients(plan: ClientPlan, processes: int = 1) -> ClientRun:
     """Sends the plan from `processes` client processes (1: in this process)."""
     if processes <= 1:
-        runs = [asyncio.run(_send(plan))]
+        runs = [_run_loop(_send(plan))]
     else:
         shares = plan.split(processes)
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads
