@@ -8,7 +8,8 @@
 #     config's vocabulary size (ember.bench.word_tokenizer) in one directory that both benchmarks
 #     load; 1,000 requests of 256 random prompt tokens and 256 output tokens (SmolLM2: 128/128),
 #     ignore_eos: offline; served, all at once, with --api-server-count 1 and $SERVE_N; on the
-#     $SERVE_N server then a Poisson run at half the burst request throughput (TTFT p50/p99).
+#     largest N's server then a Poisson run at half the request throughput that its burst
+#     measured (bench serve --poisson-at-fraction 0.5: no second server start), TTFT p50/p99.
 #   fresh: nano-vllm's workload (256 requests, in/out uniform 100-1024) on Qwen3-0.6B, two
 #     generate calls in one process (ember.bench.first_run), and the engine start-up time.
 # Every stage has a time limit, and the whole run keeps inside $BUDGET seconds (default 570): a
