@@ -112,7 +112,11 @@ def build_worker(args: EngineArgs) -> BuiltWorker:
 
     profile = StartupProfile()
     with profile.stage("imports"):
-        import torch  # noqa: F401  (the first import of torch is most of this stage)
+        # The first imports of torch and of transformers' config classes (which every model
+        # config goes through) are most of this stage; without these lines they would land in
+        # whichever stage first needed them (config, weights).
+        import torch  # noqa: F401
+        from transformers import AutoConfig  # noqa: F401
 
         from ember.config import resolve_model_config
         from ember.platforms import resolve_platform
