@@ -32,7 +32,7 @@ MAXLEN=4096
 WARMUP=64                      # served warm-up requests, as bench throughput's warm-up
 FRESH_MODEL=qwen3-0.6b
 FRESH_WORK="--num-prompts 256 --input-len 100 1024 --output-len 100 1024"
-SINGLE=32                      # bench throughput's single-stream decode (not reported here)
+SINGLE=${SINGLE:-256}          # bench throughput's single-stream decode (batch-1 tok/s)
 if [ "${SERVE_DRY:-0}" = 1 ]; then
   NUM=8 MAXLEN=256 WARMUP=2 SERVE_N=2 CLIENTS=2 SINGLE=4 FRESH_MODEL=smollm2-135m
   FRESH_WORK="--num-prompts 4 --input-len 8 16 --output-len 4 8"
@@ -61,6 +61,18 @@ model_part() {  # model_part NAME CONFIG INPUT_LEN OUTPUT_LEN OFFLINE_S SERVE_S
   limited "${name}_offline" "$offline_s" $BENCH --model "$dir" $work --max-model-len $MAXLEN \
     --no-baseline --single-output-len $SINGLE \
     --out "$OUT/${name}_offline.json"
+  # Same workload with the engine core in its own process (what offline LLM's default rests on).
+  case " ${OFFLINE_MP_MODELS:-} " in *" $name "*)
+    limited "${name}_offline_mp" "$offline_s" $BENCH --model "$dir" $work \
+      --max-model-len $MAXLEN --no-baseline --single-output-len $SINGLE --engine-process \
+      --out "$OUT/${name}_offline_mp.json" ;;
+  esac
+  # An older tree (AB_OLD=ab/old, carried) on the same model and workload, same machine.
+  case " ${AB_OLD_MODELS:-} " in *" $name "*)
+    (cd "${AB_OLD:-ab/old}" && PYTHONPATH=/tmp/site:$PWD limited "${name}_offline_old" \
+      "$offline_s" $BENCH --model "$dir" $work --max-model-len $MAXLEN --no-baseline \
+      --single-output-len $SINGLE --out "$OUT/${name}_offline_old.json") ;;
+  esac
   # The last (largest) N also runs the Poisson follow-up on its server, at half the burst's
   # request throughput; a short shutdown timeout keeps a stage cut by its limit short.
   local n poisson limit largest=${SERVE_N##* }

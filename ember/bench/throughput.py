@@ -81,6 +81,7 @@ def run_ember(ns, workload) -> tuple[dict, object]:
                                  if in_process else None),
         "peak_memory_gib": peak,
         "startup_s": startup,
+        "startup_breakdown_s": engine.ready.startup_breakdown,
         "elapsed_s": elapsed,
         "output_tok_s": generated / elapsed,
         "total_tok_s": (generated + workload.num_prompt_tokens) / elapsed,

@@ -80,6 +80,8 @@ class EngineCore:
             attention_backend=self.executor.attn_backend.name,
             async_scheduling=self.async_scheduling,
             startup_seconds=time.perf_counter() - start,
+            startup_breakdown={k: round(float(v), 3) for k, v in
+                               getattr(self.executor, "startup_breakdown", {}).items()},
         )
         logger.info(
             "engine core ready in %.1f s: %s (%s, %s), KV cache %d blocks x %d tokens, backend %s%s",

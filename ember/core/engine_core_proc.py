@@ -130,9 +130,9 @@ class EngineCoreLoop:
             if not self.running:
                 return
             if core.has_work():
-                self._send(core.step())
-            elif busy:  # just went idle: clients' gauges should say so
-                self._send(EngineCoreOutputs(timestamp=time.time()), force_stats=True)
+                outputs = core.step()
+                # The step that empties the engine also tells every client (gauges go to 0).
+                self._send(outputs, force_stats=not core.has_work())
 
     def _accept_hellos(self) -> None:
         while True:

@@ -85,6 +85,7 @@ class EngineReady(msgspec.Struct, omit_defaults=True):
     attention_backend: str
     async_scheduling: bool
     startup_seconds: float
+    startup_breakdown: dict[str, float] = {}  # seconds per build stage (the executor's)
 
 
 class RequestType(bytes, enum.Enum):

@@ -15,7 +15,9 @@ from __future__ import annotations
 import os
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from ember.engine.async_llm import AsyncLLM, IterationStats
 
@@ -28,6 +30,29 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+_GAUGES = (
+    ("ember:num_requests_running", "Requests in the running batch.", "num_running"),
+    ("ember:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+    ("ember:kv_cache_usage_perc", "KV cache usage (1 = every block in use).", "kv_cache_usage"),
+)
+
+
+class _CoreGauges(Collector):
+    """The engine core's scheduler numbers, read when scraped. A collector, not Gauge objects:
+    in multiprocess mode those would be written to the shared files once per process."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        stats = self.engine.stats()
+        for name, doc, key in _GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(stats.get(key, 0.0)))
+            yield family
+
+
 class ServerMetrics:
     """The metrics of one served model; `record` is the engine's stat logger."""
 
@@ -35,20 +60,11 @@ class ServerMetrics:
         self.engine = engine
         self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
         self.gauges = CollectorRegistry()
+        self.gauges.register(_CoreGauges(engine, model_name))
         # In multiprocess mode the values live in shared files: registering them here as well
         # would count this process twice.
         self.registry = CollectorRegistry() if self.multiprocess_dir is None else None
         reg, labels, model = self.registry, ["model_name"], [model_name]
-
-        def gauge(name: str, doc: str, key: str) -> None:
-            Gauge(name, doc, labels, registry=self.gauges).labels(*model).set_function(
-                lambda: float(engine.stats().get(key, 0.0))
-            )
-
-        gauge("ember:num_requests_running", "Requests in the running batch.", "num_running")
-        gauge("ember:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting")
-        gauge("ember:kv_cache_usage_perc", "KV cache usage (1 = every block in use).",
-              "kv_cache_usage")
         self.prompt_tokens = Counter("ember:prompt_tokens", "Prefilled prompt tokens.", labels,
                                      registry=reg).labels(*model)
         self.generation_tokens = Counter("ember:generation_tokens", "Generated tokens.", labels,
