@@ -80,6 +80,11 @@ class LLMEngine:
         return self.ready.attention_backend
 
     @property
+    def async_scheduling(self) -> bool:
+        """Whether the core plans step N+1 while step N runs (outputs lag a step)."""
+        return self.ready.async_scheduling
+
+    @property
     def engine_core(self):
         """The EngineCore object when it runs in this process (tests, benchmarks)."""
         if isinstance(self.client, InprocCoreClient):
