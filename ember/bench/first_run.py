@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("LO", "HI"))
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep-triton-cache", action="store_true",
+                        help="use the machine's Triton cache (default: a new empty one)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     return parser
 
@@ -70,8 +72,42 @@ def _startup_breakdown(llm) -> dict[str, float] | None:
         return None
 
 
+def _compiled_kernels(cache_dir: str | None) -> dict[str, int]:
+    """Kernel name -> compiled variants in a Triton cache directory (its metadata JSONs)."""
+    import collections
+    import glob
+    import os
+
+    counts: collections.Counter[str] = collections.Counter()
+    if cache_dir and os.path.isdir(cache_dir):
+        for path in glob.glob(os.path.join(cache_dir, "*", "*.json")):
+            if os.path.basename(path).startswith("__grp__"):
+                continue
+            try:
+                with open(path) as f:
+                    name = json.load(f).get("name")
+            except (OSError, ValueError):
+                continue
+            if name:
+                counts[name] += 1
+    return dict(counts)
+
+
+def _new_kernels(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
+    import os
+    import tempfile
+
+    # An empty Triton cache of our own: the run meets the engine as a fresh machine does, and
+    # what compiles in each phase can be counted.
+    cache = None
+    if not ns.keep_triton_cache:
+        cache = tempfile.mkdtemp(prefix="ember-first-run-triton-")
+        os.environ["TRITON_CACHE_DIR"] = cache
     from ember import LLM
     from ember.bench.workloads import random_workload
     from ember.config import load_hf_config, resolve_model_path
@@ -91,12 +127,17 @@ def main(argv: list[str] | None = None) -> int:
               skip_tokenizer_init=ns.load_format == "dummy")
     startup = time.perf_counter() - start
     ember_logger.removeHandler(log)
+    at_start = _compiled_kernels(cache)
     first = _timed_generate(llm, workload.prompts, workload.output_lens)
+    after_first = _compiled_kernels(cache)
     shifted = [[(t + 1) % vocab for t in p] for p in workload.prompts]
     second = _timed_generate(llm, shifted, workload.output_lens)
+    first["kernels_compiled"] = _new_kernels(at_start, after_first)
+    second["kernels_compiled"] = _new_kernels(after_first, _compiled_kernels(cache))
     result = {
         "date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "args": vars(ns),
         "startup_s": startup, "startup_breakdown": _startup_breakdown(llm),
+        "kernels_compiled_at_startup": at_start,
         "startup_log": log.lines, "first": first, "second": second,
         "first_over_second": first["output_tok_s"] / second["output_tok_s"],
     }

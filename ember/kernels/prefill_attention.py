@@ -66,8 +66,13 @@ def _attend_tile(
 
 # stride_bt (the step's widest block table, in blocks) changes from step to step; specializing
 # it (1, multiples of 16) would compile up to three variants of each tile shape for nothing:
-# it only offsets the row of a gathered block-id load.
-@triton.jit(do_not_specialize=["stride_bt"])
+# it only offsets the row of a gathered block-id load. Likewise the per-request metadata
+# arrives sliced past a mixed step's decodes (query_start_loc[num_decodes:], ...), so its
+# 16-byte alignment changes with the decode count: specializing on it compiled new variants
+# inside a fresh machine's first run; these are scalar and gathered loads that gain nothing.
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr",
+                                            "block_table_ptr"])
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
