@@ -133,6 +133,8 @@ class EngineCoreLoop:
                 outputs = core.step()
                 # The step that empties the engine also tells every client (gauges go to 0).
                 self._send(outputs, force_stats=not core.has_work())
+            elif busy:  # emptied by aborts, without a step: the gauges must still go to 0
+                self._send(EngineCoreOutputs(timestamp=time.time()), force_stats=True)
 
     def _accept_hellos(self) -> None:
         while True:
@@ -177,8 +179,10 @@ class EngineCoreLoop:
                 encoder.encode(value)  # fail here, not in _send, if it cannot cross
             except Exception as exc:  # the caller gets the error, the core keeps serving
                 result.result, result.error = None, f"{type(exc).__name__}: {exc}"
+            # Fresh stats ride along: a caller that asked after an abort sees its effect.
             self._send_to(sender.replace(b"in", b"out", 1),
-                          EngineCoreOutputs(utility_result=result))
+                          EngineCoreOutputs(utility_result=result,
+                                            scheduler_stats=core.scheduler_stats()))
         elif kind is RequestType.SHUTDOWN:
             self.running = False
 

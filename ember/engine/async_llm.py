@@ -287,10 +287,10 @@ class AsyncLLM:
     def _handle(self, outs: EngineCoreOutputs) -> None:
         if outs.engine_error is not None:
             raise self.client.fail(outs.engine_error)
-        if outs.utility_result is not None:
-            self._finish_call(outs.utility_result)
         if outs.scheduler_stats is not None:
             self._sched_stats = outs.scheduler_stats
+        if outs.utility_result is not None:
+            self._finish_call(outs.utility_result)
         if not outs.outputs:
             return
         stats = IterationStats()
