@@ -205,3 +205,24 @@ def test_metrics_names(server, client):
                  "ember:e2e_request_latency_seconds_bucket", "ember:request_success_total"):
         assert name in text, name
     assert metric(parse_metrics(text), "ember:request_success_total", finished_reason="length")
+
+
+def test_client_request_ids_never_collide(server):
+    """A client's request_id names its response only: the same id from two requests at once, or
+    a chat id that looks like a completion's engine id, does not block anyone."""
+    import concurrent.futures
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(server.base_url + path, json=body, timeout=120)
+
+    completion = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True,
+                  "request_id": "zz"}
+    chat = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 8, "ignore_eos": True,
+            "request_id": "zz-0"}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(post, "/v1/completions", completion) for _ in range(2)]
+        futures.append(pool.submit(post, "/v1/chat/completions", chat))
+        responses = [f.result() for f in futures]
+    assert [r.status_code for r in responses] == [200, 200, 200], [r.text for r in responses]
+    assert [r.json()["id"] for r in responses] == ["zz", "zz", "zz-0"]
+    _wait_free(server)

@@ -66,7 +66,10 @@ async def create_chat_completion(
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, ctx, max_tokens, num_top)
     request_id = req.request_id or random_id("chatcmpl")
-    gen = ctx.engine.generate({"prompt_token_ids": ids}, params, request_id, time.time())
+    # The engine's id is ours alone: a client's request_id names only its response, so two
+    # clients (or a chat and a completion) sending the same one never collide.
+    gen = ctx.engine.generate({"prompt_token_ids": ids}, params, random_id("chat-engine"),
+                              time.time())
     if req.stream:
         return EventStreamResponse(_stream(req, ctx, model, request_id, gen, include_usage))
     response = await until_disconnect(raw, _full(req, ctx, model, request_id, gen))

@@ -78,10 +78,11 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
         for _, ids in prompts
     ]
     request_id = req.request_id or random_id("cmpl")
+    engine_id = random_id("cmpl-engine")  # ours alone; the client's id only names the response
     arrival = time.time()
     gens = [
         ctx.engine.generate({"prompt_token_ids": ids, "prompt": text} if text else
-                            {"prompt_token_ids": ids}, sp, f"{request_id}-{i}", arrival)
+                            {"prompt_token_ids": ids}, sp, f"{engine_id}-{i}", arrival)
         for i, ((text, ids), sp) in enumerate(zip(prompts, params, strict=True))
     ]
     if req.stream:
