@@ -146,3 +146,21 @@ def test_crashed_engine_answers_503(tmp_path):
             assert r.status_code == 503  # dead before the stream starts: a plain error
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", '{"model": "smol", "prompt": "a\\ud800b", "max_tokens": 2}'),
+    ("/v1/completions", '{"model": "smol", "prompt": ["ok", "\\udfff"], "max_tokens": 2}'),
+    ("/v1/completions", '{"model": "smol", "prompt": "\\ud800", "max_tokens": 2, "stream": true}'),
+    ("/v1/completions", '{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}'),
+    ("/tokenize", '{"model": "smol", "prompt": "x\\ud800"}'),
+])
+def test_unpaired_surrogates_are_400_and_the_connection_lives(server, path, body):
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        response = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert response.status_code in (400, 404), response.text
+        error = response.json()["error"]
+        assert "surrogate" in error["message"] and "Traceback" not in error["message"]
+        # The same keep-alive connection serves the next, valid request.
+        ok = client.post("/v1/completions", json={"model": "smol", "prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200

@@ -44,6 +44,7 @@ class ServingContext:
     def check_model(self, name: str | None) -> str:
         if name is None or name == "" or name in self.served_model_names:
             return self.model_name
+        check_text(name, "model")
         raise OpenAIError(
             f"The model `{name}` does not exist.", 404, param="model", code="model_not_found"
         )
@@ -64,7 +65,8 @@ class ServingContext:
             )
         return ids
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        check_text(text, param)
         return list(self.need_tokenizer().encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int]) -> str:
@@ -111,6 +113,18 @@ class ServingContext:
                 400, param="max_tokens", code="context_length_exceeded",
             )
         return max_tokens
+
+
+def check_text(text: str, param: str) -> None:
+    """400 for text that is not valid Unicode (an unpaired surrogate, which JSON's \\uD800
+    escapes can carry): no tokenizer, log line or error body can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise OpenAIError(
+            f"{param} is not valid Unicode: an unpaired surrogate at position {exc.start}", 400,
+            param=param,
+        ) from None
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
