@@ -164,3 +164,26 @@ def test_unpaired_surrogates_are_400_and_the_connection_lives(server, path, body
         # The same keep-alive connection serves the next, valid request.
         ok = client.post("/v1/completions", json={"model": "smol", "prompt": "Hi", "max_tokens": 2})
         assert ok.status_code == 200
+
+
+def test_two_authorization_headers_are_refused_and_root_hides_the_path(server):
+    keyed = server.keyed.base_url
+    good = ("authorization", f"Bearer {API_KEY}")
+    response = httpx.get(keyed + "/v1/models",
+                         headers=httpx.Headers([good, ("authorization", "Bearer wrong")]))
+    _check_body(response, 401)
+    response = httpx.get(keyed + "/v1/models",
+                         headers=httpx.Headers([("authorization", "Bearer wrong"), good]))
+    _check_body(response, 401)
+    models = httpx.get(keyed + "/v1/models", headers=httpx.Headers([good])).json()["data"]
+    assert all(not m["root"].startswith("/") for m in models)
+
+
+def test_empty_api_key_is_refused_before_loading():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", "serve", "--api-key", ""],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "--api-key is empty" in done.stderr

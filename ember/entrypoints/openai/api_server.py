@@ -60,8 +60,9 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and (
             scope["method"] != "OPTIONS"
         ):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            given = [v for k, v in scope["headers"] if k == b"authorization"]
+            # Exactly one header, and the right one: with two, which "wins" is a proxy's guess.
+            if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
                 err = OpenAIError("Incorrect or missing API key: pass it as "
                                   "'Authorization: Bearer <key>'", 401, code="invalid_api_key")
                 await JSONResponse(error_body(err), status_code=401)(scope, receive, send)
@@ -110,7 +111,8 @@ def build_app(
         return Response(metrics.render(), media_type=prom.CONTENT_TYPE)
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=engine.model_config.path, max_model_len=ctx.max_model_len)
+        # root names the served model, not where it lies on this machine's disk.
+        return ModelCard(id=name, root=names[0], max_model_len=ctx.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models() -> ModelList:
@@ -183,6 +185,8 @@ def run_server(ns: argparse.Namespace) -> int:
 
     if ns.api_server_count < 1:
         raise SystemExit("--api-server-count must be at least 1")
+    if ns.api_key == "":
+        raise SystemExit("--api-key is empty: give a key, or leave the flag out to serve without one")
     args = engine_args_from(ns)
     if ns.api_server_count > 1:
         from ember.entrypoints.openai.launcher import run_multi_server
