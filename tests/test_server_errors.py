@@ -187,3 +187,20 @@ def test_empty_api_key_is_refused_before_loading():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "--api-key is empty" in done.stderr
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": "3"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "x", "n": True}, "n"),
+    ("/v1/completions", {"prompt": [[False]]}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1},
+     "logprobs"),
+    ("/detokenize", {"tokens": [False]}, "tokens"),
+])
+def test_loose_types_are_400(server, path, body, param):
+    error = _check_body(httpx.post(server.base_url + path, json={"model": MODEL_NAME, **body}),
+                        400)
+    assert param in (error.get("param") or "") + error["message"]

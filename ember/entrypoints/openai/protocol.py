@@ -27,6 +27,13 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+class OpenAIRequest(OpenAIModel):
+    """What clients send. Strict types, as OpenAI's schema: "3" is not an integer, "yes" and 1
+    are not booleans, true is not a token id (an int may still stand for a float)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+
+
 # ---- errors and shared pieces ------------------------------------------------------------
 class ErrorInfo(OpenAIModel):
     message: str
@@ -39,7 +46,7 @@ class ErrorResponse(OpenAIModel):
     error: ErrorInfo
 
 
-class StreamOptions(OpenAIModel):
+class StreamOptions(OpenAIRequest):
     include_usage: bool | None = False
 
 
@@ -63,7 +70,7 @@ class ModelList(OpenAIModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class SamplingExtras(OpenAIModel):
+class SamplingExtras(OpenAIRequest):
     """Sampling fields both endpoints share: OpenAI's plus vLLM's extras."""
 
     model: str | None = None
@@ -94,7 +101,7 @@ class SamplingExtras(OpenAIModel):
 # ---- /v1/completions ---------------------------------------------------------------------
 class CompletionRequest(SamplingExtras):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)
+    max_tokens: int | None = Field(default=16, ge=1)
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
@@ -129,12 +136,12 @@ class CompletionResponse(OpenAIModel):
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------
-class ContentPart(OpenAIModel):
+class ContentPart(OpenAIRequest):
     type: str
     text: str | None = None
 
 
-class ChatMessage(OpenAIModel):
+class ChatMessage(OpenAIRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -142,8 +149,8 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingExtras):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
@@ -216,7 +223,7 @@ class ChatCompletionStreamResponse(OpenAIModel):
 
 
 # ---- /v1/embeddings, /tokenize, /detokenize, /version --------------------------------------
-class EmbeddingRequest(OpenAIModel):
+class EmbeddingRequest(OpenAIRequest):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -224,7 +231,7 @@ class EmbeddingRequest(OpenAIModel):
     user: str | None = None
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -238,7 +245,7 @@ class TokenizeResponse(OpenAIModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
     tokens: list[int]
 
