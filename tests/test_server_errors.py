@@ -204,3 +204,11 @@ def test_loose_types_are_400(server, path, body, param):
     error = _check_body(httpx.post(server.base_url + path, json={"model": MODEL_NAME, **body}),
                         400)
     assert param in (error.get("param") or "") + error["message"]
+
+
+def test_health_declares_no_json_body(server):
+    """/health answers 200 with an empty body, and its OpenAPI entry says so (no JSON)."""
+    response = httpx.get(server.base_url + "/health")
+    assert response.status_code == 200 and response.content == b""
+    spec = httpx.get(server.base_url + "/openapi.json").json()
+    assert "content" not in spec["paths"]["/health"]["get"]["responses"]["200"]

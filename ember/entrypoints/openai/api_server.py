@@ -97,7 +97,7 @@ def build_app(
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
-    @app.get("/health", responses=_ERRORS)
+    @app.get("/health", response_class=Response, responses=_ERRORS)  # 200: an empty body
     async def health() -> Response:
         await engine.check_health()  # EngineDeadError -> 503
         return Response(status_code=200)
