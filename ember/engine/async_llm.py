@@ -218,12 +218,7 @@ class AsyncLLM:
     def _abort(self, ids: list[str], notify: bool) -> None:
         stats = IterationStats()
         with self._lock:
-            finals, core_ids = [], []
-            for parent_id in ids:
-                parent = self.output_processor.parents.get(parent_id)
-                core_ids += self.output_processor.abort(parent_id)
-                if parent is not None:
-                    finals.append(self.output_processor.make_output(parent))
+            finals, core_ids = self.output_processor.abort_requests(ids)
             self._account(finals, time.time(), stats)
         if notify:
             self._deliver([(out.request_id, out) for out in finals])

@@ -130,12 +130,7 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests; returns a final output (finish_reason "abort") for each live one."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        finals, core_ids = [], []
-        for parent_id in ids:
-            parent = self.output_processor.parents.get(parent_id)
-            core_ids += self.output_processor.abort(parent_id)
-            if parent is not None:
-                finals.append(self.output_processor.make_output(parent))
+        finals, core_ids = self.output_processor.abort_requests(ids)
         self.client.abort_requests(core_ids)
         return finals
 

@@ -103,6 +103,17 @@ class OutputProcessor:
         self._drop(parent)
         return live
 
+    def abort_requests(self, request_ids: list[str]) -> tuple[list[RequestOutput], list[str]]:
+        """Abort parents: (a final "abort" output for each live one, the child ids still running
+        in the core, which the caller aborts there)."""
+        finals, core_ids = [], []
+        for request_id in request_ids:
+            parent = self.parents.get(request_id)
+            core_ids += self.abort(request_id)
+            if parent is not None:
+                finals.append(self.make_output(parent))
+        return finals, core_ids
+
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
