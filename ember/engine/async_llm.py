@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from ember.config import EngineArgs, load_engine_tokenizer
 from ember.core.messages import EngineCoreOutputs, SchedulerStats
 from ember.engine.core_client import CoreAddress, MPCoreClient
@@ -147,18 +149,11 @@ class AsyncLLM:
 
     def stats(self) -> dict[str, Any]:
         """Scheduler and KV-cache numbers as the core last reported them."""
-        s = self._sched_stats
-        return {
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "kv_cache_usage": s.kv_cache_usage,
-            "num_preemptions": s.num_preemptions,
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "num_free_blocks": s.num_free_blocks,
-            "num_total_blocks": s.num_total_blocks or self.ready.num_blocks,
-            "num_unfinished_requests": len(self.output_processor.parents),
-        }
+        stats = msgspec.structs.asdict(self._sched_stats)
+        stats["num_total_blocks"] = stats["num_total_blocks"] or self.ready.num_blocks
+        # Requests this front end still owes output for (the core counts every client's).
+        stats["num_unfinished_requests"] = len(self.output_processor.parents)
+        return stats
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """`stat_logger(IterationStats)` is called on the output thread for each batch."""

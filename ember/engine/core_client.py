@@ -40,6 +40,7 @@ logger = logging.getLogger("ember")
 
 STARTUP_TIMEOUT_SECONDS = 1800.0  # loading a large model and capturing graphs can take minutes
 SHUTDOWN_TIMEOUT_SECONDS = 10.0
+PID_POLL_MS = 1000  # without a pidfd, how often a waiting client checks that the core lives
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,7 @@ class MPCoreClient:
         self._ctx: zmq.Context | None = None
         self._closed = False
         self._shutdown_sent = False
+        self.pending: list[EngineCoreOutputs] = []  # see take_pending
 
     def connect(self) -> EngineReady:
         """Wait for the core (when we started it) and connect both sockets; returns its info."""
@@ -241,7 +243,7 @@ class MPCoreClient:
         """The core's next message (None on timeout); EngineDeadError once it is gone."""
         if self.dead is not None:
             raise self.dead
-        wait_ms = None if timeout is None else int(timeout * 1000)
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
                 return outputs_decoder.decode(self._output.recv(zmq.NOBLOCK, copy=False).buffer)
@@ -249,8 +251,10 @@ class MPCoreClient:
                 pass
             if self._pidfd is None and not _pid_alive(self.address.pid):
                 self._mark_dead()
-            events = dict(self._poller.poll(wait_ms if self._pidfd is not None else
-                                            min(wait_ms or 1000, 1000)))
+            left_ms = None if deadline is None else max(int((deadline - time.monotonic()) * 1000), 0)
+            if self._pidfd is None:  # no death notice: wake at least every second to look
+                left_ms = PID_POLL_MS if left_ms is None else min(left_ms, PID_POLL_MS)
+            events = dict(self._poller.poll(left_ms))
             if self._output in events:
                 continue
             if self._pidfd is not None and self._pidfd in events:
@@ -259,7 +263,7 @@ class MPCoreClient:
                     return outputs_decoder.decode(self._output.recv(zmq.NOBLOCK, copy=False).buffer)
                 except zmq.Again:
                     self._mark_dead()
-            if wait_ms is not None and not events:
+            if deadline is not None and time.monotonic() >= deadline:
                 return None
 
     def _mark_dead(self, reason: str | None = None) -> None:
@@ -295,14 +299,9 @@ class MPCoreClient:
                 raise self.fail(outs.engine_error)
             self.pending.append(outs)
 
-    @property
-    def pending(self) -> list[EngineCoreOutputs]:
-        if not hasattr(self, "_pending"):
-            self._pending: list[EngineCoreOutputs] = []
-        return self._pending
-
     def take_pending(self) -> list[EngineCoreOutputs]:
-        items, self._pending = self.pending, []
+        """Outputs that arrived while `call_utility` waited for its answer."""
+        items, self.pending = self.pending, []
         return items
 
     # ---- shutdown ----------------------------------------------------------------------
