@@ -57,8 +57,7 @@ class EngineCore:
         self.async_scheduling = args.async_scheduling
         if self.async_scheduling is None:
             # Only a device that runs behind the host gains from overlapping the two.
-            self.async_scheduling = bool(getattr(platform, "async_scheduling_default",
-                                                 platform.device_type == "cuda"))
+            self.async_scheduling = platform.async_scheduling_default
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             self.executor.max_num_batched_tokens,
@@ -191,8 +190,7 @@ class EngineCore:
         return self.ready
 
     def reset_prefix_cache(self) -> bool:
-        reset = getattr(self.kv_cache_manager, "reset_prefix_cache", None)
-        return bool(reset()) if reset is not None else False
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
         shutdown = getattr(self.executor, "shutdown", None)
