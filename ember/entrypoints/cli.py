@@ -1,4 +1,4 @@
-"""The `ember` command: generate, chat, bench, serve, plugins."""
+"""The `ember` command: generate, chat, bench, serve, plugins, complete, run-batch, collect-env."""
 
 from __future__ import annotations
 
@@ -46,25 +46,35 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _changed_engine_flags(ns: argparse.Namespace) -> list[str]:
+    from ember.config import EngineArgs
+
+    # add_engine_args gives a field without a plain default None.
+    defaults = {f.name: None if f.default is dataclasses.MISSING else f.default
+                for f in dataclasses.fields(EngineArgs)}
+    return ["--" + name.replace("_", "-") for name, default in defaults.items()
+            if hasattr(ns, name) and getattr(ns, name) != default]
+
+
 def cmd_chat(ns: argparse.Namespace) -> int:
+    from ember.entrypoints import cli_client
+
+    if ns.url:  # a client of a running server: the engine flags would do nothing there
+        changed = _changed_engine_flags(ns)
+        if changed:
+            raise ValueError(f"{', '.join(changed)} configure an offline engine and do nothing "
+                             "with --url (the server's engine is already configured)")
+        return cli_client.run_chat(ns)
     llm = _make_llm(ns)
     history: list[dict[str, str]] = []
     if ns.system:
         history.append({"role": "system", "content": ns.system})
-    interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            print("> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            return 0
-        line = line.strip()
-        if not line:
-            continue
-        history.append({"role": "user", "content": line})
+    for line in cli_client.prompts(ns):
+        history.append({"role": "user", "content": line.strip()})
         reply = llm.chat(history, _params(ns), use_tqdm=False)[0].outputs[0].text
         history.append({"role": "assistant", "content": reply})
         print(reply, flush=True)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,13 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="interactive chat over stdin")
-    chat.add_argument("--system", default=None, help="system prompt")
+    chat = sub.add_parser("chat", help="chat over stdin: offline, or with a server at --url")
+    chat.add_argument("--system", "--system-prompt", dest="system", default=None,
+                      help="system prompt")
     _sampling_flags(chat)
     add_engine_args(chat)
+    from ember.entrypoints.cli_client import add_client_args
+
+    add_client_args(chat, url_default=None)
     chat.set_defaults(func=cmd_chat)
 
-    for module_name in ("cli_plugins", "cli_bench", "cli_serve"):
+    for module_name in ("cli_plugins", "cli_bench", "cli_serve", "cli_client", "cli_run_batch",
+                        "cli_collect_env"):
         try:
             module = __import__(f"ember.entrypoints.{module_name}", fromlist=["add_subparser"])
         except ImportError:
