@@ -54,6 +54,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Keep only the prompt's last k tokens (-1: max_model_len); None keeps the whole prompt.
+    truncate_prompt_tokens: int | None = None
     # Filled by the engine: the tokenizer's eos ids and the request's own stop ids, combined.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -109,6 +111,9 @@ class SamplingParams:
             raise bad("stop", "must contain only non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must contain only non-negative integers")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k == 0 or k < -1):
+            raise bad("truncate_prompt_tokens", "must be an integer >= 1 or -1 (max_model_len)")
         if self.stop and not self.detokenize:
             raise ValueError("SamplingParams.stop strings need detokenize=True")
 
