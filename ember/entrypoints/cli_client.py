@@ -38,8 +38,13 @@ def _client(ns: argparse.Namespace) -> Any:
     except ImportError:
         raise SystemExit("ember complete / chat --url need the openai client: "
                          "pip install openai (or pip install 'ember[client]')") from None
+    import logging
+
     from ember import envs
 
+    # `ember` logs at INFO; the HTTP library's line per request would bury the replies.
+    for name in ("httpx", "httpx2", "openai"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     # The openai client refuses to start without some key; an open server ignores it.
     key = ns.api_key or envs.api_key() or os.environ.get("OPENAI_API_KEY") or "EMPTY"
     return openai.OpenAI(base_url=ns.url, api_key=key)
@@ -78,7 +83,8 @@ def _guarded(run):
         try:
             return run(ns, client)
         except openai.APIConnectionError as exc:
-            print(f"error: cannot reach the server at {ns.url}: {exc}", file=sys.stderr)
+            print(f"error: the connection to the server at {ns.url} failed: {exc}",
+                  file=sys.stderr)
         except openai.APIStatusError as exc:
             print(f"error: the server answered {exc.status_code}: {exc.message}",
                   file=sys.stderr)
