@@ -25,6 +25,8 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    # The most logprobs / prompt_logprobs a request may ask for (vLLM's; -1: the vocabulary).
+    max_logprobs: int = 20
     load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
     quantization: str | None = None
     device: str | None = None  # platform name; None = detect
@@ -68,6 +70,8 @@ class EngineArgs:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size != 1:
@@ -95,6 +99,7 @@ class ModelConfig:
     is_gguf: bool
     tokenizer: str | None
     quantization: str | None = None  # a QuantizationRegistry name applied after loading
+    max_logprobs: int = 20  # EngineArgs.max_logprobs
 
     @property
     def vocab_size(self) -> int:
@@ -195,6 +200,7 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
         tokenizer=args.tokenizer,
         # "gguf" means the file's own quantization, already dequantized by the loader.
         quantization=None if args.quantization == "gguf" else args.quantization,
+        max_logprobs=args.max_logprobs,
     )
 
 

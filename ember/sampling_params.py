@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 
 class RequestOutputKind(IntEnum):
@@ -31,6 +33,9 @@ class SamplingParams:
     Meanings follow vLLM: temperature 0 is greedy; top_k 0 or -1 disables top-k; top_p 1 disables
     nucleus sampling; min_p 0 disables min-p; presence/frequency penalties act on generated tokens
     (OpenAI's definition), repetition_penalty on prompt and generated tokens (CTRL's definition).
+    logit_bias (token id -> bias, clamped to [-100, 100]), allowed_token_ids and bad_words are
+    applied by the built-in logits processors; extra_args selects registered ones by name
+    ({name: args}); the engine checks token ids against the vocabulary.
     """
 
     n: int = 1
@@ -56,6 +61,15 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Keep only the prompt's last k tokens (-1: max_model_len); None keeps the whole prompt.
     truncate_prompt_tokens: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Logits processor name -> its arguments (vLLM: args for custom processors and plugins).
+    extra_args: dict[str, Any] | None = None
+    # vLLM V1 refuses per-request callables too; a registered processor replaces them.
+    logits_processors: Any = None
+    # Filled by the engine from bad_words and the tokenizer (vLLM's update_from_tokenizer).
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Filled by the engine: the tokenizer's eos ids and the request's own stop ids, combined.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -69,7 +83,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        self._normalize_logit_bias()
         self._validate()
+        self._validate_logits_processing()
         if self.temperature < _GREEDY_EPS:
             # Greedy: the other sampling knobs have no effect, normalise them like vLLM does.
             self.temperature = 0.0
@@ -117,6 +133,48 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError("SamplingParams.stop strings need detokenize=True")
 
+    def _normalize_logit_bias(self) -> None:
+        # vLLM's: keys may be strings of ids (JSON objects), biases are clamped to [-100, 100].
+        if self.logit_bias is None:
+            return
+        rule = "must map token ids to finite numbers"
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"SamplingParams.logit_bias {rule}, got {self.logit_bias!r}")
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            token = _token_id(key)
+            finite = isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and math.isfinite(value)
+            if token is None or not finite:
+                raise ValueError(f"SamplingParams.logit_bias {rule}, got {key!r}: {value!r}")
+            bias[token] = min(100.0, max(-100.0, float(value)))
+        self.logit_bias = bias
+
+    def _validate_logits_processing(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not allowed or \
+                    any(_token_id(t) is None or isinstance(t, str) for t in allowed):
+                raise ValueError("SamplingParams.allowed_token_ids must be a non-empty list of "
+                                 f"token ids, got {allowed!r}")
+            self.allowed_token_ids = list(allowed)
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) for w in words):
+                raise ValueError(f"SamplingParams.bad_words must be a list of strings, got {words!r}")
+            self.bad_words = list(words)
+        if self.extra_args is not None and (
+            not isinstance(self.extra_args, dict)
+            or any(not isinstance(k, str) for k in self.extra_args)
+        ):
+            raise ValueError("SamplingParams.extra_args must be a dict from logits processor "
+                             f"names to their arguments, got {self.extra_args!r}")
+        if self.logits_processors:
+            raise ValueError(
+                "SamplingParams.logits_processors (per-request callables) is not supported, as "
+                "in vLLM V1: register a LogitsProcessor (ember.registry.LogitsProcessorRegistry) "
+                "and select it with extra_args={name: args}")
+
     @property
     def sampling_type(self) -> SamplingType:
         if self.temperature == 0.0:
@@ -127,3 +185,14 @@ class SamplingParams:
         import copy
 
         return copy.deepcopy(self)
+
+
+def _token_id(value: Any) -> int | None:
+    """A token id given as an int or a string of digits (JSON object keys); None otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None

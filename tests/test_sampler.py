@@ -231,7 +231,8 @@ def test_penalty_changes_greedy_choice():
 
 def test_no_penalty_tensors_when_unused():
     md = _md([SamplingParams(), SamplingParams(temperature=0.0)])
-    assert md.no_penalties and md.top_k is None and md.top_p is None and md.min_p is None
+    assert md.no_penalties and md.top_k is None and md.top_p is None
+    assert not md.processors.before_penalties and not md.processors.after_temperature
 
 
 # ---------------------------------------------------------------- logprobs
@@ -283,7 +284,10 @@ def test_min_tokens_masks_eos_and_stop_ids():
     p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[3])
     p.all_stop_token_ids.add(2)  # the engine adds the tokenizer's eos id
     md = _md([p, p], outputs=[[0], [0, 0, 0]], vocab=5)
-    assert md.min_tokens_stop_ids == {0: {2, 3}}
+    # Only the row short of min_tokens has the processor active.
+    assert [type(p).__name__ for p in md.processors.before_penalties] == \
+        ["MinTokensLogitsProcessor"]
+    assert md.processors.before_penalties[0].index[0].tolist() == [0, 0]
     out = Sampler()(logits, md)
     assert out.sampled_token_ids.tolist() == [4, 2]
     assert logits[0, 2] == 5.0  # the caller's logits are untouched

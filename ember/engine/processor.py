@@ -10,6 +10,7 @@ from __future__ import annotations
 from ember.config import ModelConfig
 from ember.core.messages import EngineCoreRequest
 from ember.inputs import PromptType
+from ember.logits_processors.validation import validate_request_params
 from ember.sampling_params import SamplingParams
 
 
@@ -85,6 +86,8 @@ class InputProcessor:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.prompt_ids(prompt)
         self.validate_prompt(ids)
+        validate_request_params(params, vocab_size=self.vocab_size, tokenizer=self.tokenizer,
+                                max_logprobs=self.model_config.max_logprobs)
         children = []
         for index in range(params.n):
             child = self.child_params(params, index, len(ids))

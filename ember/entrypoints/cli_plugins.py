@@ -23,7 +23,7 @@ from typing import Any
 
 _TITLES = {"models": "Models", "attention_backends": "Attention backends",
            "quantization_methods": "Quantization methods", "platforms": "Platforms",
-           "executors": "Executors"}
+           "executors": "Executors", "logits_processors": "Logits processors"}
 
 
 def add_subparser(subparsers: Any) -> argparse.ArgumentParser:

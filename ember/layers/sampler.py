@@ -1,9 +1,11 @@
 """Sampler: turns one step's logits [B, V] into sampled token ids (and logprobs), vLLM v1-style.
 
-Order, as in vLLM v1: raw logprobs (log_softmax of the model's logits) -> min_tokens masking ->
-penalties (repetition, frequency, presence) -> greedy rows take the argmax; random rows divide by
-temperature, then min-p, top-k, top-p, then sample with the exponential race (argmax of
-probs / Exp(1) noise), which needs no device->host sync. Seeded rows draw their noise from their
+Order, as in vLLM v1: raw logprobs (log_softmax of the model's logits) -> the logits processors
+that may change the argmax (allowed_token_ids, bad_words, min_tokens, logit_bias, then those a
+request names) -> penalties (repetition, frequency, presence) -> greedy rows take the argmax;
+random rows divide by temperature, then the argmax-invariant processors (min-p, ...), top-k,
+top-p, then sample with the exponential race (argmax of probs / Exp(1) noise), which needs no
+device->host sync. Seeded rows draw their noise from their
 own generator so their tokens do not depend on the batch they sit in.
 """
 
@@ -16,12 +18,7 @@ from torch import nn
 
 from ember import kernels
 from ember.kernels import dispatch
-from ember.layers.sampling_metadata import (
-    GREEDY_EPS,
-    SamplingMetadata,
-    min_tokens_index,
-    pad_token_ids,
-)
+from ember.layers.sampling_metadata import GREEDY_EPS, SamplingMetadata, pad_token_ids
 
 # Up to this many rows the chunked argmax kernel beats torch's one-block-per-row reduction, which
 # leaves most SMs idle when there are few rows.
@@ -81,15 +78,6 @@ def compute_prompt_logprobs(
     return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, k)
 
 
-def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Forbid eos/stop ids in rows that have not generated min_tokens yet (out of place)."""
-    if not md.min_tokens_stop_ids:
-        return logits
-    rows, cols = md.min_tokens_index or min_tokens_index(md.min_tokens_stop_ids, logits.device)
-    # new_full is a device fill; torch.tensor(..., device=cuda) would be a blocking copy.
-    return logits.index_put((rows, cols), logits.new_full((), float("-inf")))
-
-
 def _token_counts(padded: torch.Tensor, vocab_size: int) -> torch.Tensor:
     # The pad id is vocab_size: it lands in an extra column that is dropped.
     counts = torch.zeros(padded.shape[0], vocab_size + 1, dtype=torch.int32, device=padded.device)
@@ -121,13 +109,6 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.presence_penalty is not None:
         logits = logits - md.presence_penalty.unsqueeze(1) * out_mask
     return logits
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p * (the row's top probability), in place."""
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill_(probs < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(
@@ -208,9 +189,13 @@ class Sampler(nn.Module):
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        # Both steps are out of place: the caller's logits are left untouched.
-        logits = apply_min_tokens(logits, md)
-        logits = apply_penalties(logits, md)
+        before = md.processors.before_penalties
+        if before:
+            # Processors may work in place: the caller's logits are left untouched.
+            logits = logits.clone()
+            for processor in before:
+                logits = processor.apply(logits)
+        logits = apply_penalties(logits, md)  # out of place
         sampled = self.sample(logits, md)
 
         logprobs = None
@@ -230,8 +215,8 @@ class Sampler(nn.Module):
             # Greedy rows get a harmless 1.0 here; their random draw is discarded below.
             temperature = torch.where(temperature < GREEDY_EPS, 1.0, temperature)
         logits = logits / temperature  # new tensor: in-place steps below are safe
-        if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
+        for processor in md.processors.after_temperature:
+            logits = processor.apply(logits)
         max_top_k = md.max_top_k
         if md.top_k is not None and max_top_k <= 0:
             max_top_k = logits.shape[-1]  # unknown on the host: take the sort path, no sync

@@ -2,17 +2,19 @@
 
 The model runner builds one of these per step for the B rows it samples, then hands it to
 `ember.layers.sampler.Sampler`. Everything that needs Python (reading SamplingParams, padding
-token lists, finding min_tokens rows) happens here, on the host, so the sampler's forward pass is
-pure tensor work with no device->host sync.
+token lists, asking the logits processors which rows they act on) happens here, on the host, so
+the sampler's forward pass is pure tensor work with no device->host sync.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ember.logits_processors.interface import ProcessorContext
+from ember.logits_processors.pipeline import LogitsProcessorSet, StepProcessors
 from ember.sampling_params import SamplingParams
 
 # Rows with temperature below this are greedy; matches SamplingParams' normalisation.
@@ -26,14 +28,13 @@ class SamplingMetadata:
     temperature: torch.Tensor  # [B] float32; 0.0 marks a greedy row
     top_k: torch.Tensor | None  # [B] int64; None when no row uses top-k; disabled rows = V
     top_p: torch.Tensor | None  # [B] float32; None when no row uses top-p; disabled rows = 1.0
-    min_p: torch.Tensor | None  # [B] float32; None when no row uses min-p
     presence_penalty: torch.Tensor | None  # [B] float32; None when no row uses it
     frequency_penalty: torch.Tensor | None  # [B] float32; None when no row uses it
     repetition_penalty: torch.Tensor | None  # [B] float32; None when no row uses it
     generators: dict[int, torch.Generator]  # row -> generator of a seeded random row
     output_token_ids: list[list[int]]  # per row, tokens generated so far
     prompt_token_ids: list[list[int]]  # per row, prompt tokens
-    min_tokens_stop_ids: dict[int, set[int]]  # rows under min_tokens -> ids to mask out
+    processors: StepProcessors  # logits processors active this step (min_p, min_tokens, ...)
     max_num_logprobs: int | None  # largest `logprobs` in the batch; None = none requested
     all_greedy: bool
     all_random: bool
@@ -41,7 +42,6 @@ class SamplingMetadata:
     max_top_k: int = 0  # largest enabled top_k (lets top-k-only rows use topk(), not a sort)
     prompt_ids_padded: torch.Tensor | None = None  # [B, Lp] int64, padded with V
     output_ids_padded: torch.Tensor | None = None  # [B, Lo] int64, padded with V
-    min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def no_penalties(self) -> bool:
@@ -95,11 +95,14 @@ def build_sampling_metadata(
     generators: dict[int, torch.Generator],
     vocab_size: int,
     device: torch.device | str,
+    processors: LogitsProcessorSet | None = None,
+    req_ids: list[str] | None = None,
 ) -> SamplingMetadata:
     """Collect the settings of rows `params[i]` into device tensors (see SamplingMetadata).
 
     `generators` maps row -> generator for seeded requests (e.g. from `make_generator`); only
-    those of random rows are kept, so greedy rows never advance their generator.
+    those of random rows are kept, so greedy rows never advance their generator. `processors`
+    is the model runner's set (a fresh set of the registered built-ins when None).
     """
     device = torch.device(device)
     num_rows = len(params)
@@ -112,19 +115,15 @@ def build_sampling_metadata(
     # stay None (and the sort is skipped) when only greedy rows carry stray settings.
     top_k = [vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size) for p, g in rows]
     top_p = [1.0 if g else float(p.top_p) for p, g in rows]
-    min_p = [0.0 if g else float(p.min_p) for p, g in rows]
     enabled_k = [k for k in top_k if k < vocab_size]
 
     presence = [float(p.presence_penalty) for p in params]
     frequency = [float(p.frequency_penalty) for p in params]
     repetition = [float(p.repetition_penalty) for p in params]
 
-    min_tokens_stop_ids: dict[int, set[int]] = {}
-    for row, p in enumerate(params):
-        if len(output_token_ids[row]) < p.min_tokens:
-            stop_ids = {t for t in (p.all_stop_token_ids | set(p.stop_token_ids)) if t < vocab_size}
-            if stop_ids:
-                min_tokens_stop_ids[row] = stop_ids
+    if processors is None:
+        processors = LogitsProcessorSet(ProcessorContext(vocab_size, device))
+    step_processors = processors.prepare(params, prompt_token_ids, output_token_ids, req_ids)
 
     logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
 
@@ -132,14 +131,13 @@ def build_sampling_metadata(
         temperature=_to_device(temperature, torch.float32, device),
         top_k=_to_device(top_k, torch.int64, device) if enabled_k else None,
         top_p=_optional(top_p, 1.0, torch.float32, device),
-        min_p=_optional(min_p, 0.0, torch.float32, device),
         presence_penalty=_optional(presence, 0.0, torch.float32, device),
         frequency_penalty=_optional(frequency, 0.0, torch.float32, device),
         repetition_penalty=_optional(repetition, 1.0, torch.float32, device),
         generators={r: g for r, g in generators.items() if r < num_rows and not greedy[r]},
         output_token_ids=output_token_ids,
         prompt_token_ids=prompt_token_ids,
-        min_tokens_stop_ids=min_tokens_stop_ids,
+        processors=step_processors,
         max_num_logprobs=max(logprob_counts) if logprob_counts else None,
         all_greedy=all(greedy),
         all_random=not any(greedy),
@@ -149,16 +147,4 @@ def build_sampling_metadata(
         md.output_ids_padded = pad_token_ids(output_token_ids, vocab_size, device)
         if md.repetition_penalty is not None:
             md.prompt_ids_padded = pad_token_ids(prompt_token_ids, vocab_size, device)
-    if min_tokens_stop_ids:
-        md.min_tokens_index = min_tokens_index(min_tokens_stop_ids, device)
     return md
-
-
-def min_tokens_index(
-    stop_ids: dict[int, set[int]], device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, cols) index tensors of the logits entries that min_tokens masks to -inf."""
-    rows = [r for r, ids in stop_ids.items() for _ in ids]
-    cols = [t for ids in stop_ids.values() for t in sorted(ids)]
-    device = torch.device(device)
-    return _to_device(rows, torch.int64, device), _to_device(cols, torch.int64, device)

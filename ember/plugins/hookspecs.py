@@ -75,6 +75,15 @@ def ember_register_executors(registry, api_version):  # type: ignore[no-untyped-
     """
 
 
+@hookspec
+def ember_register_logits_processors(registry, api_version):  # type: ignore[no-untyped-def]
+    """Register logits processors: ``registry.register_logits_processor(name, "mod:Cls")``.
+
+    `registry` is ember.registry.LogitsProcessorRegistry; a request selects one by name with
+    ``SamplingParams(extra_args={name: args})``. Added in plugin API v1 without a version bump.
+    """
+
+
 # Hook name -> registry key in ember.registry.REGISTRIES, in the order hooks are called.
 HOOKS: dict[str, str] = {
     "ember_register_platforms": "platforms",
@@ -82,4 +91,5 @@ HOOKS: dict[str, str] = {
     "ember_register_quantization_methods": "quantization_methods",
     "ember_register_models": "models",
     "ember_register_executors": "executors",
+    "ember_register_logits_processors": "logits_processors",
 }

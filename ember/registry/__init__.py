@@ -1,5 +1,5 @@
-"""The registries (models, attention backends, quantization methods, platforms, executors),
-their built-in entries, and the snapshot/restore hand-off to worker processes.
+"""The registries (models, attention backends, quantization methods, platforms, executors,
+logits processors), their built-in entries, and the snapshot/restore hand-off to worker processes.
 
 Importing this package imports no model, backend, platform, executor or plugin code, and it
 imports nothing of ember.plugins: the plugin loader registers into ember.registry.hooks (when
@@ -142,11 +142,28 @@ class ExecutorRegistryType(LazyRegistry[type]):
         return self.names()
 
 
+class LogitsProcessorRegistryType(LazyRegistry[type]):
+    """Logits processor name -> ember.logits_processors.LogitsProcessor subclass.
+
+    The built-ins (min_tokens, logit_bias, allowed_token_ids, bad_words, min_p) are driven by
+    their own SamplingParams fields; any other name is selected per request by
+    ``SamplingParams(extra_args={name: args})``. A plugin may replace a built-in with
+    ``override=True`` (the engine resolves the built-in names through this registry too)."""
+
+    def register_logits_processor(self, name: str, processor_cls: str | type, *,
+                                  override: bool = False, **capabilities: Any) -> Entry:
+        return self.register(name, processor_cls, capabilities=capabilities, override=override)
+
+    def get_supported_logits_processors(self) -> list[str]:
+        return self.names()
+
+
 ModelRegistry = ModelRegistryType("model architecture")
 AttentionBackendRegistry = AttentionBackendRegistryType("attention backend")
 QuantizationRegistry = QuantizationRegistryType("quantization method")
 PlatformRegistry = PlatformRegistryType("platform")
 ExecutorRegistry = ExecutorRegistryType("executor")
+LogitsProcessorRegistry = LogitsProcessorRegistryType("logits processor")
 
 REGISTRIES: dict[str, LazyRegistry] = {
     "models": ModelRegistry,
@@ -154,6 +171,7 @@ REGISTRIES: dict[str, LazyRegistry] = {
     "quantization_methods": QuantizationRegistry,
     "platforms": PlatformRegistry,
     "executors": ExecutorRegistry,
+    "logits_processors": LogitsProcessorRegistry,
 }
 
 _BUILTIN_MODELS = {
@@ -192,6 +210,14 @@ _BUILTIN_PLATFORMS = {
 _BUILTIN_EXECUTORS = {
     "uni": "ember.executor.uniproc:UniProcExecutor",
 }
+# In the order the sampler applies them (vLLM v1's); ember.logits_processors.BUILTIN repeats it.
+_BUILTIN_LOGITS_PROCESSORS = {
+    "allowed_token_ids": "AllowedTokenIdsLogitsProcessor",
+    "bad_words": "BadWordsLogitsProcessor",
+    "min_tokens": "MinTokensLogitsProcessor",
+    "logit_bias": "LogitBiasLogitsProcessor",
+    "min_p": "MinPLogitsProcessor",
+}
 
 for _name, _target in _BUILTIN_MODELS.items():
     ModelRegistry.register(_name, _target, owner="ember")
@@ -203,6 +229,9 @@ for _name, (_target, _caps) in _BUILTIN_PLATFORMS.items():
     PlatformRegistry.register(_name, _target, owner="ember", capabilities=_caps)
 for _name, _target in _BUILTIN_EXECUTORS.items():
     ExecutorRegistry.register(_name, _target, owner="ember")
+for _name in _BUILTIN_LOGITS_PROCESSORS:
+    LogitsProcessorRegistry.register(
+        _name, f"ember.logits_processors.builtin:{_BUILTIN_LOGITS_PROCESSORS[_name]}", owner="ember")
 
 
 def snapshot() -> dict[str, Any]:
@@ -256,6 +285,7 @@ __all__ = [
     "QuantizationRegistry",
     "PlatformRegistry",
     "ExecutorRegistry",
+    "LogitsProcessorRegistry",
     "REGISTRIES",
     "registering_as",
     "snapshot",

@@ -15,6 +15,8 @@ from ember.attention_backends.base import AttentionBackend, AttentionMetadata
 from ember.config import ModelConfig
 from ember.core.scheduler_output import SchedulerOutput
 from ember.layers.sampler import Sampler, greedy_argmax
+from ember.logits_processors.interface import ProcessorContext
+from ember.logits_processors.pipeline import LogitsProcessorSet
 from ember.worker.in_flight import InFlightStep
 from ember.worker.input_batch import (
     BlockTableRows,
@@ -55,12 +57,12 @@ def _uses_penalties(params) -> bool:
     )
 
 
-def _plain_greedy(params, num_output: int) -> bool:
+def _plain_greedy(params, num_output: int, processors: LogitsProcessorSet) -> bool:
     return (
         params.temperature == 0.0
         and params.logprobs is None
         and not _uses_penalties(params)
-        and num_output >= params.min_tokens
+        and not processors.affects_greedy(params, num_output)
     )
 
 
@@ -90,6 +92,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: GraphRunner | None = None
         self.sampler = Sampler()
+        self.logits_processors = LogitsProcessorSet(
+            ProcessorContext(model_config.vocab_size, self.device))
         self.stager = InputStager(platform)
         self.in_flight: InFlightStep | None = None  # the last launched step
 
@@ -203,7 +207,8 @@ class ModelRunner:
             self.tables.set(new.req_id, new.block_ids)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprob_reqs.add(new.req_id)
-            if not _plain_greedy(new.sampling_params, 0):  # more than an argmax at some step
+            # More than an argmax at some step:
+            if not _plain_greedy(new.sampling_params, 0, self.logits_processors):
                 self.special_sampling_reqs.add(new.req_id)
         for cached in out.cached_requests:
             state = self.states[cached.req_id]
@@ -291,16 +296,21 @@ class ModelRunner:
             rows = [batch.states[row] for row in batch.sample_rows]
             indices = self._stage("logits_indices", batch.logits_indices, torch.int64)
             logits = self.model.compute_logits(hidden[indices])
+        processors = self.logits_processors
         if not self.special_sampling_reqs or all(
-            _plain_greedy(s.sampling_params, len(s.output_token_ids)) for s in rows
+            _plain_greedy(s.sampling_params, len(s.output_token_ids), processors) for s in rows
         ):
             # Nothing to build: no penalties, masks or logprobs, just the argmax.
             step.attach_samples(rows, greedy_argmax(logits), None)
             return
         if previous is not None and any(
-            s.pending is not None and _uses_penalties(s.sampling_params) for s in rows
+            s.pending is not None and (
+                _uses_penalties(s.sampling_params)
+                or processors.needs_output_tokens(s.sampling_params, len(s.output_token_ids)))
+            for s in rows
         ):
-            # Penalties count every earlier token on the host: wait for the step in flight.
+            # Penalties and some processors (bad_words) read earlier tokens on the host: wait for
+            # the step in flight.
             previous.resolve()
         metadata = build_sampling_metadata(
             [s.sampling_params for s in rows],
@@ -309,6 +319,8 @@ class ModelRunner:
             {i: s.generator for i, s in enumerate(rows) if s.generator is not None},
             logits.shape[-1],
             self.device,
+            processors,
+            [s.req_id for s in rows],
         )
         sampled = self.sampler(logits, metadata)
         step.attach_samples(rows, sampled.sampled_token_ids, sampled.logprobs)
