@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     disable_log_stats: bool = True
     show_progress: bool = True
-    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    # A dict of config attributes (a dict for a sub-config updates it), or vLLM's callable
+    # `f(config) -> config`; applied to config.json and GGUF metadata alike, before the build.
+    hf_overrides: dict[str, Any] | Callable[[Any], Any] = field(default_factory=dict)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -176,6 +179,26 @@ def resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig) ->
     return requested
 
 
+def apply_hf_overrides(hf_config: PretrainedConfig, overrides: Any) -> PretrainedConfig:
+    """vLLM's hf_overrides: a callable returns the new config; a dict sets attributes, and a
+    dict given for a sub-config (e.g. "text_config") updates that sub-config's attributes."""
+    if callable(overrides):
+        result = overrides(hf_config)
+        if result is None or not hasattr(result, "to_dict"):
+            raise ValueError("hf_overrides: the function must return the (modified) config, "
+                             f"got {type(result).__name__}")
+        return result
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a dict or a function, got {type(overrides).__name__}")
+    for key, value in overrides.items():
+        current = getattr(hf_config, key, None)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):
+            apply_hf_overrides(current, value)
+        else:
+            setattr(hf_config, key, value)
+    return hf_config
+
+
 def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
     """The one place an EngineArgs becomes a ModelConfig (the front end and the engine core both
     call it: it reads config.json or GGUF metadata, never the weights)."""
@@ -183,8 +206,7 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
 
     path = resolve_model_path(args.model)
     hf_config, is_gguf = load_hf_config(path, args.trust_remote_code)
-    for key, value in args.hf_overrides.items():
-        setattr(hf_config, key, value)
+    hf_config = apply_hf_overrides(hf_config, args.hf_overrides)
     # By name only: the worker imports the class (ModelRegistry.resolve_model_cls) when it builds.
     arch = ModelRegistry.resolve_architecture(getattr(hf_config, "architectures", None) or [])
     if args.load_format == "gguf" and not is_gguf:

@@ -59,8 +59,10 @@ class CoreProcess:
         import multiprocessing
 
         from ember.core.engine_core_proc import run_engine_core
+        from ember.engine.pickling import portable_args
         from ember.registry import snapshot
 
+        args = portable_args(args)  # before anything starts: a function that cannot go is refused
         self._dir = tempfile.TemporaryDirectory(prefix="ember-core-")
         name = uuid.uuid4().hex[:8]
         address_in = f"ipc://{self._dir.name}/{name}-in"

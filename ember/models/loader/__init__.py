@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _INDEX = "model.safetensors.index.json"
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 DUMMY_LOW, DUMMY_HIGH = -1e-3, 1e-3  # vLLM's dummy range: small enough to keep activations sane
 
 
@@ -82,11 +84,26 @@ def check_safetensors(files: Iterable[str]) -> None:
             raise _corrupt(path, e) from e
 
 
+def beyond_num_layers(config: Any) -> Callable[[str], bool]:
+    """A predicate on HF weight names: True for a decoder layer the config does not build.
+
+    A checkpoint holds more layers than its config when `hf_overrides` lowers
+    num_hidden_layers (vLLM's way to try a model on fewer layers): those are never read."""
+    num_layers = getattr(config, "num_hidden_layers", None)
+
+    def skip(name: str) -> bool:
+        match = _LAYER_INDEX.search(name)
+        return num_layers is not None and match is not None and int(match.group(1)) >= num_layers
+
+    return skip
+
+
 def iter_safetensors(
-    files: list[str], progress: bool | None = None
+    files: list[str], progress: bool | None = None, skip: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every file, lazily (one tensor in memory at a time).
-    `progress`: show a tqdm bar; None follows EMBER_DISABLE_PROGRESS."""
+    `progress`: show a tqdm bar; None follows EMBER_DISABLE_PROGRESS. Names for which `skip`
+    is true are not read."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
@@ -101,6 +118,8 @@ def iter_safetensors(
             raise _corrupt(path, e) from e
         with handle as f:
             for name in f.keys():
+                if skip is not None and skip(name):
+                    continue
                 try:
                     tensor = f.get_tensor(name)
                 except Exception as e:
@@ -153,7 +172,10 @@ def load_model(
             raise ValueError("loading real weights needs a model directory or a weights iterator")
         files = safetensors_files(model_dir)
         check_safetensors(files)
-        weights = iter_safetensors(files, progress)
+        weights = iter_safetensors(files, progress, beyond_num_layers(config))
+    elif weights is not None:
+        skip = beyond_num_layers(config)
+        weights = ((name, w) for name, w in weights if not skip(name))
     with torch.device("meta"):
         model = arch_cls(config, attn_backend, dtype)
     model = model.to_empty(device=torch.device(device))

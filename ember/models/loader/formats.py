@@ -39,19 +39,27 @@ def weight_format(cfg: ModelConfig) -> str:
 
 
 def _load_safetensors(cfg, model_cls, attn_backend, dtype, device, progress):
-    from ember.models.loader import check_safetensors, iter_safetensors, load_model, safetensors_files
+    from ember.models.loader import (
+        beyond_num_layers,
+        check_safetensors,
+        iter_safetensors,
+        load_model,
+        safetensors_files,
+    )
 
     files = safetensors_files(cfg.path)
     check_safetensors(files)
-    return load_model(cfg.hf_config, model_cls, attn_backend, dtype, device,
-                      weights=iter_safetensors(files, progress))
+    # Layers that hf_overrides cut off are never read from disk.
+    weights = iter_safetensors(files, progress, beyond_num_layers(cfg.hf_config))
+    return load_model(cfg.hf_config, model_cls, attn_backend, dtype, device, weights=weights)
 
 
 def _load_gguf(cfg, model_cls, attn_backend, dtype, device, progress):
-    from ember.models.loader import load_model
+    from ember.models.loader import beyond_num_layers, load_model
     from ember.models.loader.gguf import iter_gguf_weights
 
-    weights = iter_gguf_weights(cfg.path, cfg.hf_config, progress=progress)
+    weights = iter_gguf_weights(cfg.path, cfg.hf_config, progress=progress,
+                                skip=beyond_num_layers(cfg.hf_config))
     return load_model(cfg.hf_config, model_cls, attn_backend, dtype, device, weights=weights)
 
 

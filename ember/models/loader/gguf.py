@@ -15,7 +15,7 @@ import logging
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -344,13 +344,15 @@ def _dequantize(path: str, f: Any, info: GGUFTensorInfo) -> np.ndarray:
 
 
 def iter_gguf_weights(
-    path: str, config: PretrainedConfig, *, progress: bool | None = None
+    path: str, config: PretrainedConfig, *, progress: bool | None = None,
+    skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF parameter name, float32 tensor in HF layout) for every tensor, one at a time.
 
     Only one tensor is dequantized at a time, so peak memory is the largest tensor, not the model.
     Tensors with no HF parameter (e.g. llama.cpp's ``rope_freqs``) are skipped with a warning.
-    `progress`: show a tqdm bar; None follows EMBER_DISABLE_PROGRESS."""
+    `progress`: show a tqdm bar; None follows EMBER_DISABLE_PROGRESS. HF names for which `skip`
+    is true are not dequantized (layers that hf_overrides cut off)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -374,6 +376,8 @@ def iter_gguf_weights(
             hf_name = hf_param_name(info.name)
             if hf_name is None:
                 skipped.append(info.name)
+                continue
+            if skip is not None and skip(hf_name):
                 continue
             w = _dequantize(path, f, info)
             if permute and ".attn_q." in info.name:
