@@ -7,12 +7,11 @@ tests can reach the AsyncLLM (`server.engine`) and ask the core that every KV bl
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import socket
 import threading
 import time
-
-import uvicorn
 
 from ember.engine.async_llm import AsyncLLM
 
@@ -28,14 +27,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1 in a daemon thread (signals stay with the main one)."""
+def serve_namespace(**overrides) -> argparse.Namespace:
+    """`ember serve`'s flags at their defaults, with `overrides` (flag names with underscores)."""
+    from ember.entrypoints.cli_serve import add_arguments
 
-    def __init__(self, app, port: int | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    ns = parser.parse_args([])
+    ns.uvicorn_log_level = "warning"
+    ns.shutdown_timeout = 5.0
+    for key, value in overrides.items():
+        assert hasattr(ns, key), key
+        setattr(ns, key, value)
+    return ns
+
+
+class ServerThread:
+    """`ember serve`'s uvicorn server (limits and shutdown included) serving `app` on 127.0.0.1
+    in a daemon thread (signals stay with the main one)."""
+
+    def __init__(self, app, port: int | None = None, ns: argparse.Namespace | None = None
+                 ) -> None:
+        from ember.entrypoints.openai.http_server import make_server
+
         self.port = port or free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=5, limit_concurrency=1000)
-        self.server = uvicorn.Server(config)
+        self.server = make_server(app, ns or serve_namespace(), host="127.0.0.1", port=self.port)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.app = app
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ember.entrypoints.cli_args import add_engine_args
+from ember.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, DESCRIPTORS_KEPT_FREE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +23,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="HTTP server processes in front of the one engine core (tokenizing, "
                              "detokenizing and streaming spread over them); metrics sum up")
+    limits = parser.add_argument_group("limits on clients")
+    limits.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies get a 413 before they are read "
+                             f"(default {DEFAULT_MAX_BODY_BYTES})")
+    limits.add_argument("--max-connections", type=int, default=None,
+                        help="open connections at most; more are reset at once (default: the "
+                             f"open-file limit, raised to its hard limit, less "
+                             f"{DESCRIPTORS_KEPT_FREE})")
+    limits.add_argument("--timeout-request-head", type=float, default=10.0,
+                        help="seconds a connection may take to send a request's line and "
+                             "headers before it is closed (default 10)")
+    limits.add_argument("--timeout-body-idle", type=float, default=30.0,
+                        help="seconds a request body may stop arriving before a 408 "
+                             "(default 30)")
+    limits.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                        help="seconds an idle keep-alive connection stays open (default 5)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser, with_model=False)

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over AsyncLLM, and `run_server` for the CLI.
 
 `build_app(engine)` gives an app for any ASGI server (tests run it under uvicorn in a thread);
-`run_server(ns)` builds the engine from CLI flags and runs uvicorn, whose SIGTERM/SIGINT handling
-stops accepting, lets in-flight requests finish (up to --shutdown-timeout seconds, then cancels
-them, which aborts their engine requests), and then the app's lifespan shuts the engine down.
+`run_server(ns)` builds the engine from CLI flags and runs it under http_server.py's uvicorn
+server, whose SIGTERM/SIGINT handling stops accepting, lets in-flight requests finish (up to
+--shutdown-timeout seconds, then ends them properly, aborting their engine requests), and then
+the app's lifespan shuts the engine down.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ember import envs
 from ember.engine.async_llm import AsyncLLM
 from ember.entrypoints.openai import metrics as prom
 from ember.entrypoints.openai.errors import OpenAIError, error_body, install_error_handlers
+from ember.entrypoints.openai.limits import RequestLimitsMiddleware, ServerLimits
 from ember.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -75,7 +77,9 @@ def build_app(
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
     shutdown_engine_on_exit: bool = True,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
+    """The app over `engine`; `limits` (body size, body idle time) default to ServerLimits()."""
     names = served_model_names or [engine.model_config.path]
     ctx = ServingContext(engine, names)
     metrics = prom.ServerMetrics(engine, ctx.model_name)
@@ -87,6 +91,7 @@ def build_app(
             yield
         finally:
             engine.remove_stat_logger(metrics.record)
+            ctx.close()
             if shutdown_engine_on_exit:
                 await engine.shutdown()
 
@@ -94,7 +99,10 @@ def build_app(
                   lifespan=lifespan)
     app.state.engine, app.state.ctx, app.state.metrics = engine, ctx, metrics
     install_error_handlers(app)
-    if api_key:
+    limits = limits or ServerLimits()
+    app.add_middleware(RequestLimitsMiddleware, max_body_bytes=limits.max_body_bytes,
+                       timeout_body_idle=limits.timeout_body_idle)
+    if api_key:  # outside the body limits: a client without the key gets its 401 unread
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.get("/health", response_class=Response, responses=_ERRORS)  # 200: an empty body
@@ -149,9 +157,9 @@ def build_app(
         if req.messages is not None:
             if not req.messages:
                 raise OpenAIError("messages must not be empty", 400, param="messages")
-            ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt)
+            ids = await ctx.apply_chat_template(req.messages, req.add_generation_prompt)
         else:
-            ids = ctx.encode(req.prompt or "", req.add_special_tokens)
+            ids = await ctx.encode(req.prompt or "", req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
@@ -159,7 +167,7 @@ def build_app(
         ctx.check_model(req.model)
         if req.tokens:
             ctx.check_tokens(req.tokens, param="tokens")
-        return DetokenizeResponse(prompt=ctx.decode(req.tokens))
+        return DetokenizeResponse(prompt=await ctx.decode_async(req.tokens))
 
     return app
 
@@ -167,16 +175,6 @@ def build_app(
 # ---- the `ember serve` process -----------------------------------------------------------
 def served_names(ns: argparse.Namespace, args) -> list[str]:
     return ns.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
-
-
-def uvicorn_server(app: FastAPI, ns: argparse.Namespace):
-    import uvicorn
-
-    config = uvicorn.Config(
-        app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-        timeout_graceful_shutdown=ns.shutdown_timeout, timeout_keep_alive=5,
-    )
-    return uvicorn.Server(config)
 
 
 def run_server(ns: argparse.Namespace) -> int:
@@ -192,10 +190,12 @@ def run_server(ns: argparse.Namespace) -> int:
         from ember.entrypoints.openai.launcher import run_multi_server
 
         return run_multi_server(ns, args)
+    from ember.entrypoints.openai.http_server import limits_from, make_server
+
     api_key = ns.api_key or envs.api_key()
     engine = AsyncLLM.from_engine_args(args)
     names = served_names(ns, args)
-    server = uvicorn_server(build_app(engine, names, api_key=api_key), ns)
+    server = make_server(build_app(engine, names, api_key=api_key, limits=limits_from(ns)), ns)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", names[0], ns.host, ns.port)
     try:
         server.run()

@@ -8,12 +8,14 @@ are 4xx, never 500, and the server keeps serving.
 from __future__ import annotations
 
 import logging
+import uuid
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.engine.errors import EngineDeadError
 from ember.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
@@ -25,6 +27,7 @@ _TYPES = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     503: "service_unavailable",
 }
@@ -95,7 +98,37 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(OpenAIError(str(exc), 503, type="service_unavailable"))
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal server error")
-        return error_response(OpenAIError(f"internal server error: {exc!r}", 500))
+    app.add_middleware(InternalErrorMiddleware)
+
+
+class InternalErrorMiddleware:
+    """A bug in a handler is a 500 whose body names an error id (the log has the traceback, the
+    client none of the internals), and the connection stays usable: Starlette's own handler
+    re-raises to uvicorn, which then closes the connection and resets the client's next request.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            error_id = uuid.uuid4().hex[:12]
+            logger.exception("internal server error %s on %s %s", error_id, scope["method"],
+                             scope["path"])
+            if started:
+                return  # a stream already under way is cut; its client sees an early end
+            err = OpenAIError(f"internal server error (id {error_id}); the server log has the "
+                              "details", 500)
+            await error_response(err)(scope, receive, send)

@@ -86,14 +86,16 @@ def run_api_server_process(ns: argparse.Namespace, args: EngineArgs, address: Co
     """One HTTP process: a front end attached to the shared core, serving the shared socket."""
     from ember import envs
     from ember.engine.async_llm import AsyncLLM
-    from ember.entrypoints.openai.api_server import build_app, served_names, uvicorn_server
+    from ember.entrypoints.openai.api_server import build_app, served_names
+    from ember.entrypoints.openai.http_server import limits_from, make_server
 
     logging.basicConfig(level=envs.logging_level(), format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; SIGTERM stops uvicorn
     _exit_with_parent()
     engine = AsyncLLM(args, attach=address, client_index=index)
-    app = build_app(engine, served_names(ns, args), api_key=ns.api_key or envs.api_key())
-    server = uvicorn_server(app, ns)
+    app = build_app(engine, served_names(ns, args), api_key=ns.api_key or envs.api_key(),
+                    limits=limits_from(ns))
+    server = make_server(app, ns)
     try:
         server.run(sockets=[listener])
     finally:

@@ -57,7 +57,7 @@ async def create_chat_completion(
     await ctx.engine.check_health()  # a dead engine is a 503, even for streams
     _check_unsupported(req)
     include_usage = check_stream_options(req)
-    ids = ctx.apply_chat_template(req.messages, req.add_generation_prompt,
+    ids = await ctx.apply_chat_template(req.messages, req.add_generation_prompt,
                                   req.continue_final_message)
     ctx.check_tokens(ids, param="messages")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else (
@@ -71,8 +71,10 @@ async def create_chat_completion(
     gen = ctx.engine.generate({"prompt_token_ids": ids}, params, random_id("chat-engine"),
                               time.time())
     if req.stream:
-        return EventStreamResponse(_stream(req, ctx, model, request_id, gen, include_usage))
-    response = await until_disconnect(raw, _full(req, ctx, model, request_id, gen))
+        return EventStreamResponse(_stream(req, ctx, model, request_id, gen, include_usage), ctx,
+                                   request_id)
+    response = await until_disconnect(raw, _full(req, ctx, model, request_id, gen), ctx,
+                                      request_id)
     if response is None:
         return Response(status_code=499)  # the client left; nobody reads this
     return JSONResponse(response.model_dump())

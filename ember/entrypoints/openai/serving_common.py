@@ -1,9 +1,11 @@
 """What the completion and chat handlers share: the served model, prompt checks, request ->
 SamplingParams, merging several generators, and responses that notice a client leaving.
 
-Prompts are tokenized here, on the event loop with the server's own tokenizer copy (HF fast
-tokenizers must not be used from two threads at once), so their length is known and checked
-before the request reaches the engine: a too-long prompt is a 400, not a failed stream.
+Prompts are tokenized here, so their length is known and checked before the request reaches
+the engine: a too-long prompt is a 400, not a failed stream. Tokenizing and chat templating run
+in one worker thread with a tokenizer copy of its own (HF fast tokenizers must not be used from
+two threads at once), never on the event loop, which must keep answering other clients; text so
+long that no tokenization could fit the context is refused before it is tokenized at all.
 """
 
 from __future__ import annotations
@@ -12,21 +14,26 @@ import asyncio
 import copy
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from ember.engine.async_llm import AsyncLLM
-from ember.entrypoints.openai.errors import OpenAIError
+from ember.entrypoints.openai.errors import OpenAIError, error_body
 from ember.entrypoints.openai.protocol import ChatMessage, SamplingExtras
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 
 T = TypeVar("T")
 logger = logging.getLogger("ember")
+
+# Normalizers (NFKC, whitespace rules) can shrink text before it is split; allow for that when
+# deciding from its length alone that a text cannot fit.
+_NORMALIZER_SLACK = 2
 
 
 class ServingContext:
@@ -38,8 +45,21 @@ class ServingContext:
         self.model_name = served_model_names[0]
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
-        # The engine thread uses the engine's tokenizer; the event loop uses this copy.
+        # The engine's output thread uses the engine's tokenizer; the event loop uses this copy
+        # (for the short decodes of logprobs) and the tokenizer thread a copy of its own.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self._thread_tokenizer = copy.deepcopy(engine.tokenizer)
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-tokenizer")
+        self.max_text_chars = _max_text_chars(engine.tokenizer, self.max_model_len)
+        # Set when the server's shutdown grace period is over: in-flight requests end now.
+        self.abort_in_flight = asyncio.Event()
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _in_tokenizer_thread(self, work: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, work, *args)
 
     def check_model(self, name: str | None) -> str:
         if name is None or name == "" or name in self.served_model_names:
@@ -54,6 +74,10 @@ class ServingContext:
             raise OpenAIError("this server was started without a tokenizer", 400)
         return self.tokenizer
 
+    def _worker_tokenizer(self):
+        self.need_tokenizer()
+        return self._thread_tokenizer
+
     def check_tokens(self, ids: list[int], param: str = "prompt") -> list[int]:
         if not ids:
             raise OpenAIError("the prompt is empty: give at least one token", 400, param=param)
@@ -65,28 +89,52 @@ class ServingContext:
             )
         return ids
 
-    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+    def check_text_length(self, chars: int, param: str) -> None:
+        """400 for text too long to fit the context however it is split: no tokenizing needed."""
+        if chars > self.max_text_chars:
+            raise OpenAIError(
+                f"{param} has {chars} characters: more than any text that fits this model's "
+                f"maximum context length of {self.max_model_len} tokens can have. Please reduce "
+                "the length of the prompt.", 400, param=param, code="context_length_exceeded",
+            )
+
+    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt"
+                     ) -> list[int]:
         check_text(text, param)
-        return list(self.need_tokenizer().encode(text, add_special_tokens=add_special_tokens))
+        self.check_text_length(len(text), param)
+        tokenizer = self._worker_tokenizer()
+        ids = await self._in_tokenizer_thread(
+            lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(ids)
 
     def decode(self, ids: list[int]) -> str:
+        """For short decodes on the event loop (a token's text for logprobs)."""
         return self.need_tokenizer().decode(ids)
 
-    def apply_chat_template(
+    async def decode_async(self, ids: list[int]) -> str:
+        tokenizer = self._worker_tokenizer()
+        return await self._in_tokenizer_thread(tokenizer.decode, ids)
+
+    async def apply_chat_template(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> list[int]:
-        tokenizer = self.need_tokenizer()
+        tokenizer = self._worker_tokenizer()
         conversation = [_message_dict(m) for m in messages]
-        try:
-            ids = tokenizer.apply_chat_template(
+        self.check_text_length(sum(len(m["content"]) for m in conversation), "messages")
+
+        def render() -> Any:
+            return tokenizer.apply_chat_template(
                 conversation,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
                 tokenize=True,
             )
+
+        try:
+            ids = await self._in_tokenizer_thread(render)
         except Exception as exc:  # a template that rejects the conversation (jinja, ValueError)
             raise OpenAIError(f"cannot apply the chat template: {exc}", 400, "messages") from exc
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -113,6 +161,17 @@ class ServingContext:
                 400, param="max_tokens", code="context_length_exceeded",
             )
         return max_tokens
+
+
+def _max_text_chars(tokenizer, max_model_len: int) -> int:
+    """The most characters a text whose tokens fit max_model_len can have: every token's text is
+    at most as long as its longest vocabulary entry (byte-level and SentencePiece spellings are
+    never shorter than the text they stand for)."""
+    try:
+        longest = max(len(token) for token in tokenizer.get_vocab())
+    except Exception:  # no tokenizer, or one without a vocabulary listing: no early bound
+        return 1 << 62
+    return max_model_len * max(longest, 1) * _NORMALIZER_SLACK
 
 
 def check_text(text: str, param: str) -> None:
@@ -239,43 +298,83 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
-async def until_disconnect(raw_request: Request, work: Awaitable[T]) -> T | None:
-    """Run a non-streaming handler; if the client leaves first, cancel it (aborting its work)."""
+SHUTDOWN_MESSAGE = "the server is shutting down: this request was aborted"
+
+
+async def _wait_event(event: asyncio.Event) -> None:
+    await event.wait()
+
+
+async def until_disconnect(raw_request: Request, work: Awaitable[T], ctx: ServingContext,
+                           request_id: str) -> T | None:
+    """Run a non-streaming handler; if the client leaves first, cancel it (aborting its work).
+    At shutdown's deadline it is cancelled too, and the client gets a 503."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(raw_request.receive))
+    watchers = [asyncio.ensure_future(_wait_disconnect(raw_request.receive)),
+                asyncio.ensure_future(_wait_event(ctx.abort_in_flight))]
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for t in (task, watcher):
+        for t in (task, *watchers):
             t.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
+        await asyncio.gather(task, *watchers, return_exceptions=True)
     if task.cancelled():
+        if ctx.abort_in_flight.is_set():
+            logger.warning("aborted request %s: the server is shutting down", request_id)
+            raise OpenAIError(SHUTDOWN_MESSAGE, 503)
         return None
     return task.result()
 
 
 class EventStreamResponse(StreamingResponse):
     """Server-sent events that stop (closing the generator, which aborts the request) as soon
-    as the client disconnects, even while no token is being sent."""
+    as the client disconnects, even while no token is being sent. At shutdown's deadline the
+    stream ends properly: an error event, then `[DONE]`."""
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], ctx: ServingContext, request_id: str
+                 ) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
+        self.abort_in_flight = ctx.abort_in_flight
+        self.request_id = request_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream = asyncio.ensure_future(self.stream_response(send))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        stream = asyncio.ensure_future(self.stream_response(tracking_send))
+        watchers = [asyncio.ensure_future(_wait_disconnect(receive)),
+                    asyncio.ensure_future(_wait_event(self.abort_in_flight))]
         try:
-            await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({stream, *watchers}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in (stream, watcher):
+            for t in (stream, *watchers):
                 t.cancel()
-            results = await asyncio.gather(stream, watcher, return_exceptions=True)
+            results = await asyncio.gather(stream, *watchers, return_exceptions=True)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        if isinstance(results[0], asyncio.CancelledError) and self.abort_in_flight.is_set():
+            await self._end_at_shutdown(tracking_send, started)
+            return
         error = results[0]
         if isinstance(error, Exception) and not isinstance(error, OSError):
             # Headers are sent: the client sees a cut stream; the log says why.
             logger.error("streaming response failed", exc_info=error)
+
+    async def _end_at_shutdown(self, send: Send, started: bool) -> None:
+        logger.warning("aborted request %s: the server is shutting down", self.request_id)
+        if not started:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+        event = sse(error_body(OpenAIError(SHUTDOWN_MESSAGE, 503))) + SSE_DONE
+        try:
+            await send({"type": "http.response.body", "body": event.encode(),
+                        "more_body": False})
+        except OSError:
+            pass  # the client left meanwhile
 
 
 def sse(payload: Any) -> str:

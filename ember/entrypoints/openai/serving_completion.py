@@ -38,7 +38,8 @@ from ember.outputs import CompletionOutput, RequestOutput
 MAX_SEQUENCES = 1024  # prompts x n in one request
 
 
-def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | None, list[int]]]:
+async def _prompts(req: CompletionRequest, ctx: ServingContext
+                   ) -> list[tuple[str | None, list[int]]]:
     prompt = req.prompt
     if isinstance(prompt, str):
         items: list = [prompt]
@@ -51,7 +52,7 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | No
     out = []
     for item in items:
         if isinstance(item, str):
-            ids = ctx.encode(item, req.add_special_tokens)
+            ids = await ctx.encode(item, req.add_special_tokens)
             out.append((item, ctx.check_tokens(ids)))
         else:
             out.append((None, ctx.check_tokens(list(item))))
@@ -67,7 +68,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
         raise OpenAIError("best_of must equal n (beam-style best_of is not supported)", 400,
                           param="best_of")
     include_usage = check_stream_options(req)
-    prompts = _prompts(req, ctx)
+    prompts = await _prompts(req, ctx)
     if len(prompts) * req.n > MAX_SEQUENCES:
         raise OpenAIError(f"at most {MAX_SEQUENCES} sequences (prompts x n) per request", 400,
                           param="n")
@@ -87,9 +88,10 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
     ]
     if req.stream:
         return EventStreamResponse(
-            _stream(req, ctx, model, request_id, prompts, gens, include_usage)
+            _stream(req, ctx, model, request_id, prompts, gens, include_usage), ctx, request_id
         )
-    response = await until_disconnect(raw, _full(req, ctx, model, request_id, prompts, gens))
+    response = await until_disconnect(raw, _full(req, ctx, model, request_id, prompts, gens),
+                                      ctx, request_id)
     if response is None:
         return Response(status_code=499)  # the client left; nobody reads this
     return JSONResponse(response.model_dump())
