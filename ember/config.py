@@ -24,7 +24,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
     dtype: str = "auto"
-    seed: int = 0
+    seed: int | None = 0  # None: unseeded (vLLM's), random draws differ from run to run
     max_model_len: int | None = None
     # The most logprobs / prompt_logprobs a request may ask for (vLLM's; -1: the vocabulary).
     max_logprobs: int = 20
@@ -39,6 +39,8 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
+    # "fcfs", or "priority": lower `priority` first (ties by arrival), preempting lower ones.
+    scheduling_policy: str = "fcfs"
     enforce_eager: bool = False
     compile_model: bool = False
     # Plan step N+1 while step N runs on the device; None = on for CUDA, off elsewhere.
@@ -67,6 +69,12 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -53,6 +53,7 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
         stop: Iterable[str] | None = None,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -62,6 +63,9 @@ class IncrementalDetokenizer:
         self._special_ids = _special_ids(tokenizer) if self._spaced else frozenset()
         self.stop = [s for s in (stop or ()) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
+        # vLLM's rule: a stop string completed by one of the first min_tokens tokens is ignored
+        # (only text added once more than min_tokens tokens exist is searched).
+        self.min_tokens = min_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
 
         context = list(prompt_token_ids or ())[-PROMPT_CONTEXT_TOKENS:]
@@ -110,7 +114,7 @@ class IncrementalDetokenizer:
     def _add_text(self, piece: str) -> None:
         start = max(0, len(self.text) - self._hold)
         self.text += piece
-        if not self.stop:
+        if not self.stop or len(self.token_ids) <= self.min_tokens:
             return
         best: tuple[int, str] | None = None
         for s in self.stop:

@@ -19,7 +19,10 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (time.time()) of a request's life; None until reached."""
+    """Wall-clock times (time.time()) of a request's life; None until reached (vLLM's fields).
+
+    first_scheduled_time is when the engine core first gave it a step; time_in_queue the wait
+    before that (first_scheduled_time - arrival_time)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -27,6 +30,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    time_in_queue: float | None = None
 
     @property
     def time_to_first_token(self) -> float | None:

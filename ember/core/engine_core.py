@@ -64,6 +64,7 @@ class EngineCore:
             args.max_num_seqs,
             self.max_model_len,
             self.async_scheduling,
+            policy=args.scheduling_policy,
         )
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # (plan, launched step)
         self._injected_failure: str | None = None
@@ -96,7 +97,8 @@ class EngineCore:
         params = req.sampling_params
         params.all_stop_token_ids = set(req.all_stop_token_ids)
         request = Request(req.request_id, req.prompt_token_ids, params, set(req.eos_token_ids),
-                          self.args.block_size, req.arrival_time)
+                          self.args.block_size, req.arrival_time, priority=req.priority,
+                          cache_salt=req.cache_salt)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -146,6 +148,9 @@ class EngineCore:
             if request.num_cached_tokens >= 0:
                 out.num_cached_tokens = request.num_cached_tokens
             out.num_preemptions = request.metrics.num_preemptions
+            if not request.first_scheduled_sent:
+                request.first_scheduled_sent = True
+                out.first_scheduled_time = request.metrics.first_scheduled_time or 0.0
             outputs.append(out)
         self.timer.mark("output")
         return EngineCoreOutputs(outputs, time.time())

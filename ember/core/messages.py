@@ -30,6 +30,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Every token id that ends the sequence (the request's stop ids, plus eos unless ignored).
     all_stop_token_ids: list[int] = []
     client_index: int = 0
+    priority: int = 0  # lower runs first under scheduling_policy="priority"
+    cache_salt: str | None = None  # folded into the first block hash: shared only by equal salts
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -43,6 +45,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     prompt_logprobs: list[PositionLogprobs] = []
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    first_scheduled_time: float = 0.0  # sent once, in the request's first output
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -42,6 +42,13 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> in
     return hash((parent_hash, token_ids))
 
 
+def salt_root_hash(cache_salt: str | None) -> int | None:
+    """The parent hash of a request's first block. A salt changes it, so requests share cached
+    blocks only with requests of the same salt (vLLM's cache_salt: no cross-tenant timing leak),
+    and since hashes chain, every later block differs too."""
+    return None if cache_salt is None else hash(("cache_salt", cache_salt))
+
+
 class Request:
     """One sequence being generated (a child of a parent request when n > 1)."""
 
@@ -55,6 +62,8 @@ class Request:
         arrival_time: float | None = None,
         parent_id: str | None = None,
         index: int = 0,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id or request_id
@@ -72,6 +81,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        self.priority = priority
+        self.first_scheduled_sent = False  # first_scheduled_time goes out once
+        self._root_hash = salt_root_hash(cache_salt)
         self.block_hashes: list[int] = []
         self._update_block_hashes()
 
@@ -106,7 +118,7 @@ class Request:
         size = self.block_size
         while (len(self.block_hashes) + 1) * size <= len(self.all_token_ids):
             start = len(self.block_hashes) * size
-            parent = self.block_hashes[-1] if self.block_hashes else None
+            parent = self.block_hashes[-1] if self.block_hashes else self._root_hash
             block = tuple(self.all_token_ids[start : start + size])
             self.block_hashes.append(hash_block_tokens(parent, block))
 

@@ -6,6 +6,10 @@ chunked. Running requests go first; if blocks run out, the newest running reques
 (its blocks freed, to be recomputed later). Waiting requests are admitted while budget, blocks and
 `max_num_seqs` allow, after a prefix-cache lookup.
 
+Under the "priority" policy (vLLM's) the waiting queue is ordered by (priority, arrival time),
+lower first; the request preempted when blocks run out is the running one that ranks last, and a
+waiting request that finds no blocks preempts running requests that rank below it.
+
 Progress (`num_computed_tokens`) advances when a step is scheduled, not when it returns, so with
 asynchronous scheduling the next step can be planned while this one runs: a request that will
 sample gets an output placeholder, and its next decode is scheduled before the token is known (the
@@ -15,10 +19,10 @@ workers feed it from the device). Results of a request that has finished meanwhi
 from __future__ import annotations
 
 import time
-from collections import deque
 
 from ember.core.kv_cache_manager import KVCacheManager
 from ember.core.request import Request, RequestStatus
+from ember.core.request_queue import PriorityQueue, make_waiting_queue
 from ember.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -35,14 +39,16 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         async_scheduling: bool = False,
+        policy: str = "fcfs",
     ) -> None:
         self.kv = kv_cache_manager
+        self.policy = policy
         self.async_scheduling = async_scheduling
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_waiting_queue(policy)
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the workers at the next step
         self._known_to_workers: dict[str, int] = {}  # req id -> blocks the workers know of
@@ -111,7 +117,14 @@ class Scheduler:
                 idx += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = running.pop()  # the newest request loses its blocks
+                if self.policy == "fcfs":
+                    victim = running.pop()  # the newest request loses its blocks
+                else:
+                    victim = max(running, key=PriorityQueue.key)  # the lowest-ranked one does
+                    if running.index(victim) < idx:
+                        idx -= 1  # scheduled earlier in this step: take its tokens back
+                    running.remove(victim)
+                    budget += self._unschedule(victim, out, scheduled)
                 self._preempt(victim, out)
                 preempted_now = True
                 if victim is request:
@@ -122,7 +135,9 @@ class Scheduler:
                 budget -= num_new
                 idx += 1
                 continue
-            break  # the request itself was preempted; everything after it is gone too
+            if self.policy == "fcfs":
+                break  # the request itself was preempted; everything after it is gone too
+            # priority: it ranked last; those after it rank above it and may still fit
 
         while (
             self.waiting
@@ -135,7 +150,16 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if not self.kv.allocate_slots(request, num_new, hits):
+            admitted = self.kv.allocate_slots(request, num_new, hits)
+            while not admitted and self.policy == "priority":
+                victim = self._lower_ranked_running(request)
+                if victim is None:
+                    break
+                self.running.remove(victim)
+                budget += self._unschedule(victim, out, scheduled)
+                self._preempt(victim, out)
+                admitted = self.kv.allocate_slots(request, num_new, hits)
+            if not admitted:
                 break
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
@@ -164,6 +188,20 @@ class Scheduler:
         out.scheduled_requests = scheduled
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _lower_ranked_running(self, request: Request) -> Request | None:
+        """The running request ranked last, if it ranks below `request` (priority policy)."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=PriorityQueue.key)
+        return victim if PriorityQueue.key(victim) > PriorityQueue.key(request) else None
+
+    @staticmethod
+    def _unschedule(request: Request, out: SchedulerOutput, scheduled: list[Request]) -> int:
+        """Drop a request from this step's plan; returns the tokens it had been given."""
+        if request in scheduled:
+            scheduled.remove(request)
+        return out.num_scheduled_tokens.get(request.request_id, 0)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv.free(request)

@@ -30,11 +30,11 @@ from ember.core.messages import EngineCoreOutputs, SchedulerStats
 from ember.engine.core_client import CoreAddress, MPCoreClient
 from ember.engine.errors import EngineDeadError
 from ember.engine.llm_engine import resolve_front_end_config
-from ember.engine.output_processor import OutputProcessor
+from ember.engine.output_processor import OutputProcessor, merge_delta_outputs
 from ember.engine.processor import InputProcessor
 from ember.inputs import PromptType
 from ember.outputs import RequestOutput
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("ember")
 
@@ -74,20 +74,25 @@ class _Tracked:
     arrival_time: float
     last_token_time: float = 0.0
     num_generated: int = 0
+    delta: bool = False  # its outputs carry only new tokens
 
 
 class _Stream:
     """The caller's side of one request: an asyncio queue living on the caller's loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, merge: bool = False) -> None:
         self.loop = loop
+        self.merge = merge  # DELTA outputs: queued ones are joined, not skipped
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     async def get(self) -> RequestOutput | BaseException:
         item = await self.queue.get()
-        # Outputs are cumulative, so only the newest matters; an error ends the stream.
+        # A slow consumer gets what queued up in one output: the newest of cumulative ones,
+        # all deltas joined; an error ends the stream.
         while not isinstance(item, BaseException) and not self.queue.empty():
-            item = self.queue.get_nowait()
+            nxt = self.queue.get_nowait()
+            item = merge_delta_outputs(item, nxt) if self.merge and not isinstance(
+                nxt, BaseException) else nxt
         return item
 
 
@@ -112,7 +117,8 @@ class AsyncLLM:
         self.max_model_len = self.model_config.max_model_len
         # Callers tokenize on their threads; the output thread detokenizes with its own copy
         # (an HF fast tokenizer must not be used from two threads at once).
-        self.processor = InputProcessor(self.model_config, copy.deepcopy(self.tokenizer))
+        self.processor = InputProcessor(self.model_config, copy.deepcopy(self.tokenizer),
+                                        args.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._lock = threading.Lock()  # guards streams, the output processor and _dead
         self._streams: dict[str, _Stream] = {}
@@ -170,15 +176,19 @@ class AsyncLLM:
         params: SamplingParams | None,
         request_id: str,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative RequestOutputs of one request until it finishes.
+        """Yield RequestOutputs of one request until it finishes, as its params' output_kind
+        says: cumulative (the default), deltas, or only the final one.
 
         Errors in the request (bad prompt, duplicate id) are raised here; stopping the iteration
-        early aborts the request and frees its KV blocks."""
+        early aborts the request and frees its KV blocks. `priority` (lower first) needs
+        scheduling_policy="priority"."""
         arrival_time = arrival_time or time.time()
         text, ids, params, core_requests = self.processor.process(
-            request_id, prompt, params, arrival_time, self.client_index)
-        stream = _Stream(asyncio.get_running_loop())
+            request_id, prompt, params, arrival_time, self.client_index, priority)
+        delta = params.output_kind == RequestOutputKind.DELTA
+        stream = _Stream(asyncio.get_running_loop(), merge=delta)
         with self._lock:
             if self._dead is not None:
                 raise self._dead
@@ -188,7 +198,7 @@ class AsyncLLM:
                 request_id, text, ids, params, [r.request_id for r in core_requests],
                 [r.sampling_params for r in core_requests], arrival_time)
             self._streams[request_id] = stream
-            self._tracked[request_id] = _Tracked(arrival_time)
+            self._tracked[request_id] = _Tracked(arrival_time, delta=delta)
         finished = False
         try:
             self.client.add_requests(core_requests)
@@ -318,6 +328,8 @@ class AsyncLLM:
             if tracked is None:
                 continue
             num_generated = sum(len(o.token_ids) for o in out.outputs)
+            if tracked.delta:
+                num_generated += tracked.num_generated
             if num_generated > tracked.num_generated:
                 if tracked.num_generated == 0:
                     stats.num_prompt_tokens += len(out.prompt_token_ids)

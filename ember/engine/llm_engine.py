@@ -16,6 +16,7 @@ from typing import Any
 from ember.config import EngineArgs, load_engine_tokenizer
 from ember.core.messages import EngineCoreOutputs
 from ember.engine.core_client import InprocCoreClient, MPCoreClient
+from ember.engine.engine_control import EngineControlMixin
 from ember.engine.output_processor import OutputProcessor
 from ember.engine.processor import InputProcessor
 from ember.inputs import PromptType
@@ -35,7 +36,9 @@ def resolve_front_end_config(args: EngineArgs):
     return resolve_model_config(args, resolve_platform(args.device))
 
 
-class LLMEngine:
+class LLMEngine(EngineControlMixin):
+    """Engine control (sleep, collective_rpc, get_metrics...) is ember.engine.engine_control's."""
+
     def __init__(self, args: EngineArgs, multiprocess: bool | None = None) -> None:
         from ember import envs
 
@@ -60,9 +63,10 @@ class LLMEngine:
             self.ready = self.client.ready
         self.max_model_len = self.model_config.max_model_len
         self.tokenizer = load_engine_tokenizer(args, self.model_config)
-        self.processor = InputProcessor(self.model_config, self.tokenizer)
+        self.processor = InputProcessor(self.model_config, self.tokenizer, args.scheduling_policy)
         self.eos_token_ids = self.processor.eos_token_ids
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._init_stats()
         logger.info("engine ready in %.1f s (engine core %s)", time.perf_counter() - start,
                     "in its own process" if multiprocess else "in this process")
 
@@ -116,21 +120,28 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
+        """Queue a request; `priority` (lower first) needs scheduling_policy="priority"."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_awake()
         arrival_time = arrival_time or time.time()
         text, ids, params, core_requests = self.processor.process(
-            request_id, prompt, params, arrival_time)
+            request_id, prompt, params, arrival_time, priority=priority)
         self.output_processor.add_request(
             request_id, text, ids, params, [r.request_id for r in core_requests],
             [r.sampling_params for r in core_requests], arrival_time)
+        if self.stats_tracker is not None:
+            self.stats_tracker.add([r.request_id for r in core_requests], len(ids), arrival_time)
         self.client.add_requests(core_requests)
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests; returns a final output (finish_reason "abort") for each live one."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         finals, core_ids = self.output_processor.abort_requests(ids)
+        if self.stats_tracker is not None:
+            self.stats_tracker.finish(core_ids, "abort")
         self.client.abort_requests(core_ids)
         return finals
 
@@ -172,10 +183,16 @@ class LLMEngine:
     def _process(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
         if core_outputs.engine_error is not None:
             raise self.client.fail(core_outputs.engine_error)
+        tracker = self.stats_tracker
+        if tracker is not None:
+            tracker.record(core_outputs)
+            self._log_stats()
         if not core_outputs.outputs:
             return []
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
+            if tracker is not None:
+                tracker.finish(stopped, "stop")  # a stop string, seen here, not in the core
             self.client.abort_requests(stopped)
         return outputs
 

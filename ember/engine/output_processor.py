@@ -3,6 +3,11 @@
 The core sends each child sequence's new token ids and finish reason; here they are appended,
 detokenized incrementally, checked for stop strings (a hit finishes the child here and asks the
 caller to abort it in the core), and gathered back into one RequestOutput per parent request.
+
+What an output holds follows the request's `output_kind` (vLLM's): CUMULATIVE gives every child's
+whole text so far; DELTA only what is new since the last output (the children that changed, each
+with its new text, token ids and logprobs; text that a stop string could still cut is held back,
+so the deltas concatenate to exactly the cumulative result); FINAL_ONLY one output at the end.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ class ChildState:
     num_preemptions: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    # DELTA outputs: how much text, tokens and logprobs were handed out, and whether the finish was.
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    sent_finish: bool = False
 
     @property
     def finished(self) -> bool:
@@ -47,6 +58,7 @@ class ParentState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = False
     final_only: bool = False
+    delta: bool = False
 
 
 class OutputProcessor:
@@ -65,7 +77,8 @@ class OutputProcessor:
                     for i, (cid, p) in enumerate(zip(child_ids, child_params))]
         parent = ParentState(request_id, prompt, prompt_token_ids, params, children,
                              RequestMetrics(arrival_time),
-                             final_only=params.output_kind == RequestOutputKind.FINAL_ONLY)
+                             final_only=params.output_kind == RequestOutputKind.FINAL_ONLY,
+                             delta=params.output_kind == RequestOutputKind.DELTA)
         self.parents[request_id] = parent
         for child in children:
             self.children[child.request_id] = (parent, child)
@@ -84,6 +97,7 @@ class OutputProcessor:
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
             )
         wants_lp = params.logprobs is not None
         return ChildState(request_id, index, params, detok, [] if wants_lp else None,
@@ -153,13 +167,18 @@ class OutputProcessor:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             if out.num_cached_tokens >= 0:
                 child.num_cached_tokens = out.num_cached_tokens
+            if out.first_scheduled_time and child.first_scheduled_time is None:
+                child.first_scheduled_time = out.first_scheduled_time
             child.num_preemptions = out.num_preemptions
             if not parent.final_only or child.finished:
                 changed[parent.request_id] = parent
-        outputs = [
-            self.make_output(p) for p in changed.values()
-            if not p.final_only or all(c.finished for c in p.children)
-        ]
+        outputs = []
+        for p in changed.values():
+            if p.final_only and not all(c.finished for c in p.children):
+                continue
+            output = self.make_output(p)
+            if output.outputs or output.finished:  # a DELTA step may add nothing visible yet
+                outputs.append(output)
         return outputs, stopped
 
     def _decode_token(self, token_id: int) -> str | None:
@@ -186,41 +205,101 @@ class OutputProcessor:
             detok = child.detokenizer
             if detok is not None and child.finished and not detok.finished:
                 detok.finish()  # flush a trailing partial character
-            token_ids = child.token_ids
-            outputs.append(
-                CompletionOutput(
-                    index=child.index,
-                    # Cumulative and append-only: streamed deltas never need taking back.
-                    text=detok.stable_text if detok is not None else "",
-                    token_ids=list(token_ids),
-                    cumulative_logprob=child.cumulative_logprob,
-                    logprobs=child.logprobs,
-                    finish_reason=child.finish_reason,
-                    stop_reason=child.stop_reason,
-                )
+            # Cumulative and append-only: streamed deltas never need taking back.
+            text = detok.stable_text if detok is not None else ""
+            output = self._delta(child, text) if parent.delta else CompletionOutput(
+                index=child.index,
+                text=text,
+                token_ids=list(child.token_ids),
+                cumulative_logprob=child.cumulative_logprob,
+                logprobs=child.logprobs,
+                finish_reason=child.finish_reason,
+                stop_reason=child.stop_reason,
             )
+            if output is not None:
+                outputs.append(output)
         parent.finished = all(c.finished for c in parent.children)
-        metrics = parent.metrics
         if parent.finished:
-            metrics.finished_time = time.time()
             self._drop(parent)
-        metrics.first_token_time = min(
-            (c.first_token_time for c in parent.children if c.first_token_time), default=None)
-        metrics.last_token_time = max(
-            (c.last_token_time for c in parent.children if c.last_token_time), default=None)
-        metrics.num_preemptions = sum(c.num_preemptions for c in parent.children)
+        prompt_logprobs = parent.prompt_logprobs
+        if parent.delta:
+            # A DELTA stream carries them once, in the first output it hands out.
+            if outputs or parent.finished:
+                parent.prompt_logprobs = [] if prompt_logprobs is not None else None
+            else:
+                prompt_logprobs = None
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=outputs,
             finished=parent.finished,
-            prompt_logprobs=parent.prompt_logprobs,
-            metrics=metrics,
+            prompt_logprobs=prompt_logprobs or None,
+            metrics=self._update_metrics(parent),
             num_cached_tokens=parent.children[0].num_cached_tokens,
         )
+
+    @staticmethod
+    def _delta(child: ChildState, text: str) -> CompletionOutput | None:
+        """What a child adds since its last DELTA output (None when nothing, finish included)."""
+        if child.sent_finish:
+            return None
+        new_text, new_ids = text[child.sent_text:], child.token_ids[child.sent_tokens:]
+        if not new_text and not new_ids and not child.finished:
+            return None
+        logprobs = None
+        if child.logprobs is not None:
+            logprobs = child.logprobs[child.sent_logprobs:]
+            child.sent_logprobs = len(child.logprobs)
+        child.sent_text, child.sent_tokens = len(text), len(child.token_ids)
+        child.sent_finish = child.finished
+        return CompletionOutput(
+            index=child.index,
+            text=new_text,
+            token_ids=new_ids,
+            cumulative_logprob=child.cumulative_logprob,  # vLLM's: the running total
+            logprobs=logprobs,
+            finish_reason=child.finish_reason,
+            stop_reason=child.stop_reason,
+        )
+
+    @staticmethod
+    def _update_metrics(parent: ParentState) -> RequestMetrics:
+        """The parent's times from its children's (the earliest first, the latest last)."""
+        metrics, children = parent.metrics, parent.children
+        if parent.finished and metrics.finished_time is None:
+            metrics.finished_time = time.time()
+        metrics.first_scheduled_time = min(
+            (c.first_scheduled_time for c in children if c.first_scheduled_time), default=None)
+        if metrics.first_scheduled_time is not None:
+            metrics.time_in_queue = max(0.0, metrics.first_scheduled_time - metrics.arrival_time)
+        metrics.first_token_time = min(
+            (c.first_token_time for c in children if c.first_token_time), default=None)
+        metrics.last_token_time = max(
+            (c.last_token_time for c in children if c.last_token_time), default=None)
+        metrics.num_preemptions = sum(c.num_preemptions for c in children)
+        return metrics
 
     def _drop(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)
         for child in parent.children:
             self.children.pop(child.request_id, None)
+
+
+def merge_delta_outputs(first: RequestOutput, second: RequestOutput) -> RequestOutput:
+    """One DELTA output holding what two consecutive ones carry (vLLM's collector does this)."""
+    by_index = {o.index: o for o in first.outputs}
+    for new in second.outputs:
+        old = by_index.get(new.index)
+        if old is None:
+            by_index[new.index] = new
+            continue
+        old.text += new.text
+        old.token_ids = old.token_ids + new.token_ids
+        if new.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + new.logprobs
+        old.cumulative_logprob = new.cumulative_logprob
+        old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+    second.outputs = [by_index[i] for i in sorted(by_index)]
+    second.prompt_logprobs = first.prompt_logprobs or second.prompt_logprobs
+    return second

@@ -2,14 +2,16 @@
 
 Runs in the caller's thread (the event loop in the server) so a bad prompt is the caller's
 ValueError before anything reaches the engine core. A parent request with n > 1 becomes n child
-requests; the core never hears of parents.
+requests; the core never hears of parents. Prompt dict keys the engine cannot honour are refused
+by name (ember.inputs), `truncate_prompt_tokens` keeps the prompt's last k tokens, and a non-zero
+`priority` needs scheduling_policy="priority" (vLLM's rules).
 """
 
 from __future__ import annotations
 
 from ember.config import ModelConfig
 from ember.core.messages import EngineCoreRequest
-from ember.inputs import PromptType
+from ember.inputs import PROMPT_KEYS, REFUSED_PROMPT_KEYS, PromptType
 from ember.logits_processors.validation import validate_request_params
 from ember.sampling_params import SamplingParams
 
@@ -31,15 +33,37 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer,
+                 scheduling_policy: str = "fcfs") -> None:
         self.model_config = model_config
+        self.scheduling_policy = scheduling_policy
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.vocab_size
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(model_config, tokenizer)
         self._eos_list = sorted(self.eos_token_ids)
 
+    @staticmethod
+    def check_prompt_keys(prompt: dict) -> str | None:
+        """Refuse keys that would be ignored; returns the prompt's cache_salt."""
+        refused = [k for k in prompt if k in REFUSED_PROMPT_KEYS and prompt[k] is not None]
+        if refused:
+            reasons = "; ".join(f"{k}: {REFUSED_PROMPT_KEYS[k]}" for k in refused)
+            raise ValueError(f"unsupported prompt field(s) {', '.join(refused)} ({reasons})")
+        unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS and k not in REFUSED_PROMPT_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown prompt field(s): {', '.join(unknown)}; a prompt dict takes "
+                f"{', '.join(sorted(PROMPT_KEYS))}"
+            )
+        salt = prompt.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        return salt
+
     def prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            self.check_prompt_keys(prompt)
         if isinstance(prompt, str):
             text, ids = prompt, None
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -79,12 +103,16 @@ class InputProcessor:
         params: SamplingParams | None,
         arrival_time: float,
         client_index: int = 0,
+        priority: int = 0,
     ) -> tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]:
         """(prompt text, prompt ids, the parent's params, one core request per child)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        self.check_priority(priority)
         text, ids = self.prompt_ids(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        ids = self.truncate(ids, params.truncate_prompt_tokens)
         self.validate_prompt(ids)
         validate_request_params(params, vocab_size=self.vocab_size, tokenizer=self.tokenizer,
                                 max_logprobs=self.model_config.max_logprobs)
@@ -93,9 +121,30 @@ class InputProcessor:
             child = self.child_params(params, index, len(ids))
             children.append(EngineCoreRequest(
                 child_request_id(request_id, index, params.n), ids, child, self._eos_list,
-                arrival_time, sorted(child.all_stop_token_ids), client_index,
+                arrival_time, sorted(child.all_stop_token_ids), client_index, priority, salt,
             ))
         return text, ids, params, children
+
+    def check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"got priority {priority} but priority scheduling is not enabled: "
+                "set scheduling_policy='priority'"
+            )
+
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the last `keep` tokens (-1: max_model_len)."""
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = self.max_model_len
+        elif keep > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens={keep} is greater than max_model_len={self.max_model_len}"
+            )
+        return ids[-keep:]
 
     def child_params(self, params: SamplingParams, index: int, prompt_len: int) -> SamplingParams:
         child = params.clone()

@@ -127,7 +127,10 @@ def build_worker(args: EngineArgs) -> BuiltWorker:
         load_plugins()
     with profile.stage("platform"):
         platform = resolve_platform(args.device)
-        platform.seed_everything(args.seed)
+        if args.seed is None:
+            torch.seed()  # vLLM's seed=None: nondeterministic, from the OS's entropy
+        else:
+            platform.seed_everything(args.seed)
     with profile.stage("config"):
         model_config = resolve_model_config(args, platform)
         attn_backend = choose_attention_backend(platform, model_config, args.attention_backend)

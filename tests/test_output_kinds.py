@@ -1,0 +1,190 @@
+"""SamplingParams.output_kind, min_tokens with stop strings, and RequestMetrics, through
+LLMEngine.step() (engine core in this process and in its own) and AsyncLLM.generate().
+
+The reference for DELTA and FINAL_ONLY is a CUMULATIVE run of the same requests on the same
+engine: concatenated deltas (text, token ids, logprobs, per completion index, n > 1 and a stop
+string held back included) must equal the cumulative result. For min_tokens the reference is the
+unstopped greedy text cut by hand at the first stop string ending past the first min_tokens tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_all_blocks_free, assert_all_blocks_free_async
+from text_model import (
+    PROMPT,
+    collect_async,
+    final_by_index,
+    join_deltas,
+    make_text_model,
+    run_engine,
+    text_args,
+)
+
+from ember import SamplingParams
+from ember.engine.async_llm import AsyncLLM
+from ember.engine.llm_engine import LLMEngine
+from ember.sampling_params import RequestOutputKind
+
+KINDS = RequestOutputKind
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return make_text_model(tmp_path_factory.mktemp("kinds"))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["in_process", "core_process"])
+def engine(model_path, request):
+    engine = LLMEngine(text_args(model_path), multiprocess=request.param)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def async_engine(model_path):
+    engine = AsyncLLM(text_args(model_path))
+    yield engine
+    engine.shutdown_sync()
+
+
+def _greedy_ids(engine) -> list[int]:
+    [out] = run_engine(engine, [("ref", PROMPT, SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, output_kind=KINDS.FINAL_ONLY))])
+    return list(out.outputs[0].token_ids)
+
+
+def _stop_string(text: str) -> str:
+    """A stop string from the middle of the greedy text (several tokens long, usually)."""
+    mid = len(text) // 2
+    stop = text[mid:mid + 8]
+    assert stop.strip(), text
+    return stop
+
+
+def _requests(stop: str, kind: RequestOutputKind) -> list[tuple[str, str, SamplingParams]]:
+    common = dict(max_tokens=MAX_NEW, ignore_eos=True, stop=[stop], output_kind=kind)
+    return [
+        ("greedy", PROMPT, SamplingParams(temperature=0.0, logprobs=2, **common)),
+        # n > 1 with seeded sampling: distinct children, each cut by the stop string or not.
+        ("n3", PROMPT, SamplingParams(n=3, temperature=1.0, seed=11, **common)),
+        ("n2_incl", PROMPT, SamplingParams(n=2, temperature=0.0, include_stop_str_in_output=True,
+                                           **common)),
+    ]
+
+
+def _by_request(outputs) -> dict[str, list]:
+    grouped: dict[str, list] = {}
+    for out in outputs:
+        grouped.setdefault(out.request_id, []).append(out)
+    return grouped
+
+
+def _check_kinds(cumulative: dict, delta: dict, final: dict, stop: str) -> None:
+    for request_id, outs in cumulative.items():
+        reference = final_by_index(outs[-1])
+        assert outs[-1].finished
+        # CUMULATIVE: every output holds the text so far, a prefix of the final one.
+        for out in outs:
+            for c in out.outputs:
+                assert reference[c.index][0].startswith(c.text)
+        # DELTA: the pieces concatenate to the cumulative result; no piece repeats old text.
+        assert join_deltas(delta[request_id]) == reference, request_id
+        assert delta[request_id][-1].finished
+        assert max(len(c.token_ids) for o in delta[request_id] for c in o.outputs) == 1
+        if request_id != "n2_incl":
+            assert all(stop not in c.text for o in delta[request_id] for c in o.outputs)
+        # FINAL_ONLY: one output, the final one.
+        assert len(final[request_id]) == 1 and final[request_id][0].finished
+        assert final_by_index(final[request_id][0]) == reference
+    assert cumulative["greedy"][-1].outputs[0].finish_reason == "stop"
+
+
+def test_output_kinds_agree(engine):
+    tokenizer = engine.get_tokenizer()
+    stop = _stop_string(tokenizer.decode(_greedy_ids(engine)))
+    runs = {kind: _by_request(run_engine(engine, _requests(stop, kind))) for kind in KINDS}
+    _check_kinds(runs[KINDS.CUMULATIVE], runs[KINDS.DELTA], runs[KINDS.FINAL_ONLY], stop)
+    # DELTA logprobs are per new token too, and join up to the cumulative list.
+    # (Values to float tolerance: a later run's prompt hits the prefix cache, computed apart.)
+    delta_lps = [lp for o in runs[KINDS.DELTA]["greedy"] for c in o.outputs for lp in c.logprobs]
+    cumulative_lps = runs[KINDS.CUMULATIVE]["greedy"][-1].outputs[0].logprobs
+    assert [list(d) for d in delta_lps] == [list(d) for d in cumulative_lps]
+    assert [v.logprob for d in delta_lps for v in d.values()] == pytest.approx(
+        [v.logprob for d in cumulative_lps for v in d.values()], abs=1e-4)
+    assert_all_blocks_free(engine)
+
+
+def test_async_output_kinds_agree(async_engine):
+    tokenizer = async_engine.tokenizer
+    ids = list(collect_async(async_engine, PROMPT, SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), "ref")[-1].outputs[0].token_ids)
+    stop = _stop_string(tokenizer.decode(ids))
+    runs: dict = {}
+    for kind in KINDS:
+        runs[kind] = {rid: collect_async(async_engine, prompt, params, f"{kind.name}-{rid}")
+                      for rid, prompt, params in _requests(stop, kind)}
+    _check_kinds(runs[KINDS.CUMULATIVE], runs[KINDS.DELTA], runs[KINDS.FINAL_ONLY], stop)
+    import asyncio
+
+    asyncio.run(assert_all_blocks_free_async(async_engine))
+
+
+def _min_tokens_case(tokenizer, ids: list[int]) -> tuple[str, int, str, str]:
+    """(stop string, min_tokens, text expected without and with min_tokens): the stop string
+    completes within the first min_tokens tokens and again later."""
+    full = tokenizer.decode(ids)
+    pieces = [tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]
+    for first in range(1, len(ids) - 2):
+        stop = full[len(pieces[first]) - 3:len(pieces[first])]  # the first token's last chars
+        if len(stop) < 3 or not stop.strip() or full.find(stop) != len(pieces[first]) - 3:
+            continue
+        for min_tokens in range(first, len(ids) - 1):
+            later = full.find(stop, len(pieces[min_tokens]) - len(stop) + 1)
+            if later != -1:
+                return stop, min_tokens, full[:full.find(stop)], full[:later]
+    pytest.fail(f"no repeated stop string in the greedy text {full!r}")
+
+
+def test_min_tokens_holds_back_stop_strings(engine):
+    ids = _greedy_ids(engine)
+    stop, min_tokens, without, expected = _min_tokens_case(engine.get_tokenizer(), ids)
+    params = dict(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, stop=[stop],
+                  output_kind=KINDS.FINAL_ONLY)
+    [plain] = run_engine(engine, [("plain", PROMPT, SamplingParams(**params))])
+    [held] = run_engine(engine, [("held", PROMPT, SamplingParams(min_tokens=min_tokens, **params))])
+    assert plain.outputs[0].text == without and plain.outputs[0].finish_reason == "stop"
+    assert held.outputs[0].text == expected and held.outputs[0].finish_reason == "stop"
+    assert len(held.outputs[0].token_ids) > min_tokens
+    assert_all_blocks_free(engine)
+
+
+def test_async_min_tokens_holds_back_stop_strings(async_engine):
+    ids = list(collect_async(async_engine, PROMPT, SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), "mt-ref")[-1].outputs[0].token_ids)
+    stop, min_tokens, without, expected = _min_tokens_case(async_engine.tokenizer, ids)
+    params = dict(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, stop=[stop],
+                  output_kind=KINDS.DELTA)
+    held = collect_async(async_engine, PROMPT, SamplingParams(min_tokens=min_tokens, **params),
+                         "mt-held")
+    assert join_deltas(held)[0][0] == expected
+    plain = collect_async(async_engine, PROMPT, SamplingParams(**params), "mt-plain")
+    assert join_deltas(plain)[0][0] == without
+
+
+def _check_metrics(metrics) -> None:
+    assert metrics is not None
+    times = [metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time,
+             metrics.last_token_time, metrics.finished_time]
+    assert None not in times, metrics
+    assert times == sorted(times), metrics
+    assert metrics.time_in_queue == pytest.approx(
+        metrics.first_scheduled_time - metrics.arrival_time)
+
+
+def test_request_metrics_filled(engine, async_engine):
+    params = SamplingParams(temperature=0.0, max_tokens=4, n=2, output_kind=KINDS.FINAL_ONLY)
+    [out] = run_engine(engine, [("metrics", PROMPT, params)])
+    _check_metrics(out.metrics)
+    _check_metrics(collect_async(async_engine, PROMPT, params, "metrics")[-1].metrics)
