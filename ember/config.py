@@ -51,6 +51,10 @@ class EngineArgs:
     # A dict of config attributes (a dict for a sub-config updates it), or vLLM's callable
     # `f(config) -> config`; applied to config.json and GGUF metadata alike, before the build.
     hf_overrides: dict[str, Any] | Callable[[Any], Any] = field(default_factory=dict)
+    # Default sampling values when no SamplingParams is given: "auto" = the model's own
+    # (generation_config.json or GGUF metadata), "vllm" = SamplingParams' defaults, or a folder.
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -85,6 +89,13 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(
+                os.path.expanduser(self.generation_config)):
+            raise ValueError("generation_config must be 'auto', 'vllm' or a folder holding a "
+                             f"generation_config.json, got {self.generation_config!r}")
+        if not isinstance(self.override_generation_config, dict):
+            raise ValueError("override_generation_config must be a dict, got "
+                             f"{type(self.override_generation_config).__name__}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
         if self.quantization not in (None, "gguf"):
@@ -110,6 +121,8 @@ class ModelConfig:
     is_gguf: bool
     tokenizer: str | None
     quantization: str | None = None  # a QuantizationRegistry name applied after loading
+    # SamplingParams values the model asks for (EngineArgs.generation_config); empty: none.
+    default_sampling: dict[str, Any] = field(default_factory=dict)
     max_logprobs: int = 20  # EngineArgs.max_logprobs
 
     @property
@@ -207,6 +220,24 @@ def apply_hf_overrides(hf_config: PretrainedConfig, overrides: Any) -> Pretraine
     return hf_config
 
 
+def check_quantization(requested: str | None, hf_config: PretrainedConfig, path: str,
+                       is_gguf: bool) -> None:
+    """Refuse what would load wrong weights: quantization="gguf" without a GGUF file, and any
+    checkpoint whose config declares pre-quantized weights (quantization_config), which ember
+    cannot load yet; reading them as floats would give garbage or a shape error."""
+    if requested == "gguf" and not is_gguf:
+        raise ValueError(f"quantization='gguf' needs a .gguf file, but {path!r} is an HF "
+                         "directory; leave quantization unset for its float weights")
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        method = getattr(method, "value", method) or "unknown"
+        raise ValueError(f"{path!r} holds {method}-quantized weights (its config's "
+                         f"quantization_config); ember cannot load {method} checkpoints: use the "
+                         "float checkpoint (with quantization='int8' to quantize it at load) or a "
+                         ".gguf file")
+
+
 def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
     """The one place an EngineArgs becomes a ModelConfig (the front end and the engine core both
     call it: it reads config.json or GGUF metadata, never the weights)."""
@@ -219,6 +250,7 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
     arch = ModelRegistry.resolve_architecture(getattr(hf_config, "architectures", None) or [])
     if args.load_format == "gguf" and not is_gguf:
         raise ValueError(f"load_format='gguf' but {path!r} is not a .gguf file")
+    check_quantization(args.quantization, hf_config, path, is_gguf)
     return ModelConfig(
         path=path,
         hf_config=hf_config,
@@ -231,7 +263,17 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
         # "gguf" means the file's own quantization, already dequantized by the loader.
         quantization=None if args.quantization == "gguf" else args.quantization,
         max_logprobs=args.max_logprobs,
+        default_sampling=_default_sampling(args, path),
     )
+
+
+def _default_sampling(args: EngineArgs, path: str) -> dict[str, Any]:
+    from ember.models.loader.generation_config import default_sampling_values
+
+    folder = args.generation_config
+    if folder not in ("auto", "vllm"):
+        folder = os.path.expanduser(folder)
+    return default_sampling_values(path, folder, args.override_generation_config)
 
 
 def load_engine_tokenizer(args: EngineArgs, cfg: ModelConfig):

@@ -64,3 +64,13 @@ def engine_process() -> bool:
     """EMBER_ENGINE_PROCESS=1: offline `LLM` / `LLMEngine` run the engine core in a process of
     its own (the server always does); default in-process."""
     return _flag("EMBER_ENGINE_PROCESS")
+
+
+def log_stats_interval() -> float:
+    """EMBER_LOG_STATS_INTERVAL: seconds between the stats log lines an engine with
+    disable_log_stats=False writes (default 10, as vLLM's VLLM_LOG_STATS_INTERVAL)."""
+    value = _str("EMBER_LOG_STATS_INTERVAL")
+    try:
+        return float(value) if value is not None else 10.0
+    except ValueError as exc:
+        raise ValueError(f"EMBER_LOG_STATS_INTERVAL must be a number of seconds, got {value!r}") from exc

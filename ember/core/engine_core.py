@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from ember.config import EngineArgs
+from ember.core.engine_control import EngineCoreControl
 from ember.core.kv_cache_manager import KVCacheManager
 from ember.core.messages import (
     EngineCoreOutput,
@@ -35,8 +36,9 @@ def resolve_executor_class(name: str | None):
     return ExecutorRegistry.resolve(name or "uni")
 
 
-class EngineCore:
-    """Owns the scheduler and the executor; `step()` advances every running request by one."""
+class EngineCore(EngineCoreControl):
+    """Owns the scheduler and the executor; `step()` advances every running request by one.
+    Engine control (sleep, wake_up, collective_rpc) is ember.core.engine_control's."""
 
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
@@ -106,6 +108,8 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
+        if self.sleep_level:  # requests wait for wake_up (see ember.core.engine_control)
+            return False
         return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # ---- stepping ----------------------------------------------------------------------
@@ -114,6 +118,8 @@ class EngineCore:
         folded in while this one runs on the device."""
         if self._injected_failure is not None:
             raise RuntimeError(self._injected_failure)
+        if self.sleep_level:
+            return EngineCoreOutputs(timestamp=time.time())
         timer = self.timer
         timer.start()
         plan = self.scheduler.schedule()

@@ -59,7 +59,7 @@ class CoreProcess:
         import multiprocessing
 
         from ember.core.engine_core_proc import run_engine_core
-        from ember.engine.pickling import portable_args
+        from ember.pickling import portable_args
         from ember.registry import snapshot
 
         args = portable_args(args)  # before anything starts: a function that cannot go is refused

@@ -7,7 +7,8 @@ executor keeps what the engine core reads (and where its start-up time went) and
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ember.config import EngineArgs
 
@@ -35,7 +36,21 @@ class UniProcExecutor:
         # Seconds per start-up stage and "total" (ember.worker.startup_profile's keys).
         self.startup_breakdown: dict[str, float] = built.startup_breakdown
         logger.info("executor ready in %s", format_breakdown(self.startup_breakdown))
+        from ember.worker.control import WorkerControl
+
+        self.control = WorkerControl(self.runner, args, self.num_blocks)
 
     def launch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
         """Start a step without waiting; `.resolve()` on the result gives its ModelRunnerOutput."""
         return self.runner.launch(scheduler_output)
+
+    # ---- engine control (ember.worker.control) -----------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        self.control.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.control.wake_up(tags)
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return self.control.collective_rpc(method, args, kwargs)

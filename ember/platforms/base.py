@@ -112,6 +112,16 @@ class Platform:
         it: a platform whose KV budget does not depend on activation memory need not pay for it."""
         return 0
 
+    def empty_cache(self) -> None:
+        """Give memory the engine freed back to the device (sleep mode: a caching allocator
+        would otherwise keep it). The default has no cache to empty."""
+        return None
+
+    def memory_in_use(self) -> int:
+        """Bytes of device memory in use by every process (what sleep returns is measured
+        with it); 0 where the platform cannot tell."""
+        return 0
+
     # ---- ordering and transfers --------------------------------------------------------
     def synchronize(self) -> None:
         """Block until all work queued on the device is done (a no-op for a synchronous one)."""

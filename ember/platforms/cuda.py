@@ -128,6 +128,18 @@ class CudaPlatform(Platform):
 
         torch.cuda.synchronize(self.device())
 
+    def empty_cache(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device())
+        torch.cuda.empty_cache()
+
+    def memory_in_use(self) -> int:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(self.device())
+        return total - free
+
     def record_event(self) -> DeviceEvent:
         import torch
 
