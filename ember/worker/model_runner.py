@@ -207,8 +207,10 @@ class ModelRunner:
             self.tables.set(new.req_id, new.block_ids)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprob_reqs.add(new.req_id)
-            # More than an argmax at some step:
-            if not _plain_greedy(new.sampling_params, 0, self.logits_processors):
+            # More than an argmax at some step (a processor named in extra_args may become
+            # active only later, so naming one is enough):
+            params = new.sampling_params
+            if params.extra_args or not _plain_greedy(params, 0, self.logits_processors):
                 self.special_sampling_reqs.add(new.req_id)
         for cached in out.cached_requests:
             state = self.states[cached.req_id]
