@@ -54,6 +54,8 @@ class EngineArgs:
     # Default sampling values when no SamplingParams is given: "auto" = the model's own
     # (generation_config.json or GGUF metadata), "vllm" = SamplingParams' defaults, or a folder.
     generation_config: str = "auto"
+    # vLLM's: LLM.sleep() / wake_up() are refused unless the engine was created with this.
+    enable_sleep_mode: bool = False
     override_generation_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

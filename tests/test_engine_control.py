@@ -28,7 +28,8 @@ def llm(request, tiny_path):
     os.environ["EMBER_ENGINE_PROCESS"] = "1" if request.param else "0"
     try:
         engine = LLM(tiny_path, skip_tokenizer_init=True, max_model_len=128, block_size=4,
-                     num_gpu_blocks_override=64, disable_log_stats=False)
+                     num_gpu_blocks_override=64, disable_log_stats=False,
+                     enable_sleep_mode=True)
     finally:
         if saved is None:
             os.environ.pop("EMBER_ENGINE_PROCESS")
@@ -167,10 +168,16 @@ def test_get_metrics(llm):
     assert isinstance(after["ember:prompt_tokens", None], Counter)
 
 
-def test_get_metrics_needs_stats(tiny_path):
+def test_metrics_and_sleep_need_their_flags(tiny_path):
+    """As vLLM's: get_metrics needs disable_log_stats=False, sleep enable_sleep_mode=True."""
     llm = LLM(tiny_path, skip_tokenizer_init=True, max_model_len=128, num_gpu_blocks_override=64)
     with pytest.raises(ValueError, match="disable_log_stats=False"):
         llm.get_metrics()
+    with pytest.raises(ValueError, match="enable_sleep_mode=True"):
+        llm.sleep()
+    with pytest.raises(ValueError, match="enable_sleep_mode=True"):
+        llm.llm_engine.call_core("sleep", 1)  # the core checks too (other front ends)
+    assert not llm.is_sleeping()
     llm.shutdown()
 
 
@@ -188,7 +195,7 @@ def test_gpu_sleep_returns_memory(tmp_path):
                            num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                            head_dim=64, vocab_size=32000)
     llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=256, block_size=16,
-              num_gpu_blocks_override=4096)
+              num_gpu_blocks_override=4096, enable_sleep_mode=True)
     from ember.platforms import resolve_platform
 
     platform = resolve_platform(None)

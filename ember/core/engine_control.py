@@ -16,6 +16,15 @@ from collections.abc import Callable
 from typing import Any
 
 
+def check_sleep_mode(args, level: int) -> None:
+    """vLLM's preconditions of sleep, shared by the front ends (clear errors before a round
+    trip) and the core (the authority when several front ends share it)."""
+    if not args.enable_sleep_mode:
+        raise ValueError("sleep mode is off: create the engine with enable_sleep_mode=True")
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+
+
 class EngineCoreControl:
     """Mixed into EngineCore (which provides executor, scheduler, kv_cache_manager)."""
 
@@ -30,8 +39,7 @@ class EngineCoreControl:
 
     def sleep(self, level: int = 1) -> None:
         """Level 1: drop the KV cache, move weights to host memory; level 2: drop both."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        check_sleep_mode(self.args, level)  # type: ignore[attr-defined]
         if self.sleep_level:
             return  # already asleep: vLLM's sleep is idempotent too
         if self.has_work():  # type: ignore[attr-defined]

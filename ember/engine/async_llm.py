@@ -28,6 +28,7 @@ import msgspec
 from ember.config import EngineArgs, load_engine_tokenizer
 from ember.core.messages import EngineCoreOutputs, SchedulerStats
 from ember.engine.core_client import CoreAddress, MPCoreClient
+from ember.engine.engine_control import AsyncEngineControlMixin
 from ember.engine.errors import EngineDeadError
 from ember.engine.llm_engine import resolve_front_end_config
 from ember.engine.output_processor import OutputProcessor, merge_delta_outputs
@@ -96,8 +97,9 @@ class _Stream:
         return item
 
 
-class AsyncLLM:
-    """Serve many concurrent requests from asyncio code with one engine core process."""
+class AsyncLLM(AsyncEngineControlMixin):
+    """Serve many concurrent requests from asyncio code with one engine core process.
+    reset_prefix_cache / sleep / wake_up / is_sleeping: ember.engine.engine_control."""
 
     def __init__(self, args: EngineArgs, attach: CoreAddress | None = None,
                  client_index: int = 0) -> None:
@@ -125,6 +127,12 @@ class AsyncLLM:
         self._dead: EngineDeadError | None = None
         self._tracked: dict[str, _Tracked] = {}
         self._stat_loggers: list[StatLogger] = []
+        self._stats_log = None  # vLLM's periodic log lines (disable_log_stats=False)
+        if not args.disable_log_stats:
+            from ember.engine.stat_logging import LoggingStatLogger
+
+            self._stats_log = LoggingStatLogger()
+            self._stat_loggers.append(self._stats_log.record_iteration)
         self._sched_stats: SchedulerStats = self.client.first_stats or SchedulerStats()
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._thread = threading.Thread(target=self._run, name="ember-outputs", daemon=True)
@@ -276,6 +284,8 @@ class AsyncLLM:
                 outs = self.client.recv(timeout=1.0)
                 if outs is not None:
                     self._handle(outs)
+                if self._stats_log is not None:  # at least every second, idle or not
+                    self._stats_log.maybe_log(self._sched_stats)
         except EngineDeadError as exc:
             if self._dead is None:
                 logger.error("engine core is gone: %s", exc)

@@ -40,8 +40,9 @@ class EngineControlMixin:
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode: level 1 drops the KV cache and moves weights to host memory,
         level 2 drops the weights too (wake_up reloads them). Needs no running requests."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        from ember.core.engine_control import check_sleep_mode
+
+        check_sleep_mode(self.args, level)  # type: ignore[attr-defined]
         if self.has_unfinished_requests():  # type: ignore[attr-defined]
             raise RuntimeError("cannot sleep while requests run: wait for them or abort them")
         self.call_core("sleep", level)  # type: ignore[attr-defined]
@@ -122,3 +123,25 @@ class EngineControlMixin:
         # In process the core's numbers are free to read; across, the latest it sent.
         sched = client.core.scheduler_stats() if not client.multiprocess else tracker.scheduler_stats
         stat_logger.log(sched, now)
+
+
+class AsyncEngineControlMixin:
+    """AsyncLLM's share of engine control (vLLM's AsyncLLM has these): coroutines over
+    `call_core`. While the core sleeps, requests sent to it wait for wake_up."""
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.call_core("reset_prefix_cache"))  # type: ignore[attr-defined]
+
+    async def sleep(self, level: int = 1) -> None:
+        from ember.core.engine_control import check_sleep_mode
+
+        check_sleep_mode(self.args, level)  # type: ignore[attr-defined]
+        if self.output_processor.parents:  # type: ignore[attr-defined]
+            raise RuntimeError("cannot sleep while requests run: wait for them or abort them")
+        await self.call_core("sleep", level)  # type: ignore[attr-defined]
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.call_core("wake_up", tags)  # type: ignore[attr-defined]
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self.call_core("is_sleeping"))  # type: ignore[attr-defined]
