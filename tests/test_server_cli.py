@@ -58,9 +58,7 @@ def test_serve_sigterm_lets_stream_finish(tmp_path):
         assert first_chunk.wait(120)
         proc.send_signal(signal.SIGTERM)
         reader.join(120)
-        # uvicorn re-raises the signal once its graceful shutdown is done: -SIGTERM is a clean
-        # exit here (the lifespan already stopped the engine).
-        assert proc.wait(60) in (0, -signal.SIGTERM), (tmp_path / "serve.log").read_text()
+        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
         assert chunks[-1] == {"done": True}
         assert chunks[-2]["usage"]["completion_tokens"] == 40
         assert [c["choices"][0]["finish_reason"] for c in chunks[:-2]][-1] == "length"

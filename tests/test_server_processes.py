@@ -180,4 +180,54 @@ def test_sigterm_stops_the_engine_core(tmp_path):
         assert out.choices[0].text is not None
     finally:
         serve.stop_and_check_no_orphans()
-    assert serve.proc.returncode in (0, -signal.SIGTERM)
+    assert serve.proc.returncode == 0
+
+
+def _stream_lines(url: str, body: dict, lines: list[str], first: threading.Event) -> None:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line:
+                lines.append(line)
+                first.set()
+
+
+def test_shutdown_deadline_ends_streams_properly(tmp_path):
+    """Streams still running when --shutdown-timeout passes end with an error event and
+    [DONE]; a non-streaming request gets a 503; one log line per aborted request, no
+    traceback; exit status 0."""
+    serve = Serve(tmp_path, "--shutdown-timeout", "1")
+    streams: list[list[str]] = [[], []]
+    firsts = [threading.Event(), threading.Event()]
+    body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 480,
+            "ignore_eos": True, "stream": True}
+    full: dict = {}
+    try:
+        serve.wait_healthy()
+        readers = [threading.Thread(target=_stream_lines, args=(serve.url, body, lines, first))
+                   for lines, first in zip(streams, firsts)]
+        for reader in readers:
+            reader.start()
+        for first in firsts:
+            assert first.wait(120)
+
+        def non_streaming() -> None:
+            full["r"] = httpx.post(serve.url + "/v1/completions", timeout=120,
+                                   json={**body, "stream": False})
+
+        blocking = threading.Thread(target=non_streaming)
+        blocking.start()
+        time.sleep(0.5)  # it is in the engine
+        serve.proc.send_signal(signal.SIGTERM)
+        for reader in [*readers, blocking]:
+            reader.join(120)
+    finally:
+        serve.stop_and_check_no_orphans()
+    log = serve.log_path.read_text()
+    assert serve.proc.returncode == 0, log
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert "shutting down" in error["message"]
+    assert full["r"].status_code == 503, full["r"].text
+    assert log.count("aborted request") == 3, log
+    assert "Traceback" not in log and "CancelledError" not in log, log
