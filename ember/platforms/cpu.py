@@ -6,11 +6,13 @@ in host memory, so there is nothing to wait for, pin, copy or capture.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import ClassVar
 
 from ember.platforms.base import Platform
 
+logger = logging.getLogger("ember")
 _DEFAULT_CPU_KV_BYTES = 4 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE default of 4 GiB
 
 
@@ -22,7 +24,14 @@ class CpuPlatform(Platform):
     default_dtype: ClassVar[str] = "float32"
 
     def kv_cache_memory_bytes(self, gpu_memory_utilization: float) -> int:
-        # gpu_memory_utilization has no meaning for host RAM; cap at a quarter of what is free.
+        # gpu_memory_utilization has no meaning for host RAM (vLLM's CPU backend ignores it too);
+        # cap at a quarter of what is free. A value the user changed is told it did nothing.
+        from ember.config import EngineArgs
+
+        if gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
+            logger.warning("gpu_memory_utilization=%s has no effect on the CPU platform: its KV "
+                           "cache takes min(4 GiB, a quarter of free RAM); set "
+                           "kv_cache_memory_bytes for another size", gpu_memory_utilization)
         try:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
