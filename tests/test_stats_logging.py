@@ -116,3 +116,19 @@ def test_async_llm_logs_stats_and_sleeps(tiny_path, monkeypatch, caplog):
         assert lines and sum(float(m.group(2)) for m in lines) > 0
     finally:
         engine.shutdown_sync()
+
+
+def test_serve_logs_stats_by_default():
+    """As vLLM: `ember serve` logs stats unless --disable-log-stats; offline commands do not."""
+    import argparse
+
+    from ember.entrypoints.cli_args import add_engine_args
+    from ember.entrypoints.cli_serve import add_arguments
+
+    serve = argparse.ArgumentParser()
+    add_arguments(serve)
+    assert serve.parse_args([]).disable_log_stats is False
+    assert serve.parse_args(["--disable-log-stats"]).disable_log_stats is True
+    offline = argparse.ArgumentParser()
+    add_engine_args(offline)
+    assert offline.parse_args([]).disable_log_stats is True

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser, with_model=False)
+    # vLLM's serve logs stats by default (its offline LLM does not): --disable-log-stats turns
+    # the periodic lines off.
+    parser.set_defaults(disable_log_stats=False)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
