@@ -221,3 +221,35 @@ def test_logprob_caps():
     check_logprobs(SamplingParams(logprobs=V), -1, V)  # -1: no cap but the vocabulary
     with pytest.raises(ValueError, match="logprobs=41.*vocabulary size 40"):
         check_logprobs(SamplingParams(logprobs=V + 1), -1, V)
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_processors_do_not_sync_and_match_cpu():
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={5: 50.0, 6: -3.0}),
+        SamplingParams(temperature=0.0, allowed_token_ids=[1, 2, 3]),
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7]),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, min_p=0.2, seed=3),
+    ]
+    params[3]._bad_words_token_ids = [[9], [4, 8]]
+    outputs, logits = [[1], [2], [3], [4], [5]], _logits(5, seed=7)
+    logits[2, 7] = logits[3, 8] = 30.0  # the masked tokens would win
+
+    def greedy(device):
+        md = build_sampling_metadata(params, outputs, [[0]] * 5, {}, V, device)
+        x = logits.to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # any device->host sync raises
+        try:
+            return Sampler()(x, md).sampled_token_ids.cpu()[:4]
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+
+    assert greedy(torch.device("cuda")).tolist() == greedy(torch.device("cpu")).tolist()
