@@ -164,6 +164,24 @@ def test_registered_processor_selected_by_name_matches_hf(tiny, async_scheduling
                          SamplingParams(extra_args={"no_such": 1}), use_tqdm=False)
 
 
+def test_registered_processor_reaches_an_engine_core_process(tiny, monkeypatch):
+    path, hf, prompts = tiny
+    monkeypatch.setenv("EMBER_ENGINE_PROCESS", "1")
+    with isolated():
+        LogitsProcessorRegistry.register_logits_processor("no_repeat", NoRepeat)
+        llm = LLM(path, skip_tokenizer_init=True, max_model_len=96, num_gpu_blocks_override=64)
+        try:
+            assert llm.llm_engine.client.multiprocess
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW,
+                                    extra_args={"no_repeat": None}, logit_bias={77: 2.0})
+            ours = _tokens(llm, prompts[:2], params)
+        finally:
+            llm.shutdown()
+    bias = SequenceBiasLogitsProcessor([[[77], 2.0]])
+    for prompt, tokens in zip(prompts, ours):
+        assert tokens == hf_greedy_with(hf, prompt, [_hf_no_repeat(len(prompt)), bias])
+
+
 def test_plugin_entry_point_adds_a_processor(tiny, tmp_path):
     path, hf, prompts = tiny
     write_plugin(tmp_path, "lp-plugin", {"lpp": "lpp_plugin"}, {
