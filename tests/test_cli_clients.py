@@ -62,6 +62,15 @@ def test_chat_keeps_the_conversation(url):
     assert "Berlin" in result.stdout
 
 
+@pytest.mark.slow
+def test_chat_offline_quick():
+    """Without --url, chat runs its own engine as before; -q works there too."""
+    result = ember(["chat", "-q", "What is the capital of France?", "--max-tokens", "16",
+                    "--max-model-len", "256"])
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
 def test_api_key_from_flag_or_env(server):
     url = server.keyed.base_url + "/v1"
     args = ["complete", "--url", url, "-q", "Hello", "--max-tokens", "2"]
@@ -130,16 +139,23 @@ def test_run_batch_file(tmp_path):
 
 
 def test_run_batch_lines_in_process(server):
-    """The same path in process over the shared server's app: concurrency bound 1 still runs
-    every line, and a stream request is refused per line."""
+    """The same path in process over an app on the shared engine: concurrency bound 1 still
+    runs every line, and a stream request is refused per line."""
     import asyncio
 
     from ember.entrypoints.cli_run_batch import run_batch
+    from ember.entrypoints.openai.api_server import build_app
 
     lines = [json.dumps(BATCH[1]), json.dumps({**BATCH[0], "custom_id": "s",
                                                "body": {**BATCH[0]["body"], "stream": True}}),
              json.dumps(BATCH[0])]
-    out = asyncio.run(run_batch(server.open.app, lines, max_concurrency=1, progress=False))
+    # An app of its own: the shared ones live on uvicorn's event loop, and asyncio objects
+    # (the app's shutdown event) belong to the loop that first waits on them.
+    app = build_app(server.engine, ["SmolLM2-135M-Instruct"], shutdown_engine_on_exit=False)
+    try:
+        out = asyncio.run(run_batch(app, lines, max_concurrency=1, progress=False))
+    finally:
+        server.engine.remove_stat_logger(app.state.metrics.record)
     assert [o["custom_id"] for o in out] == ["cmpl-1", "s", "chat-1"]
     assert [o["response"]["status_code"] for o in out] == [200, 400, 200]
     assert "stream" in out[1]["error"]["message"]

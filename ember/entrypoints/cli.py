@@ -49,11 +49,10 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def _changed_engine_flags(ns: argparse.Namespace) -> list[str]:
     from ember.config import EngineArgs
 
-    # add_engine_args gives a field without a plain default None.
-    defaults = {f.name: None if f.default is dataclasses.MISSING else f.default
-                for f in dataclasses.fields(EngineArgs)}
-    return ["--" + name.replace("_", "-") for name, default in defaults.items()
-            if hasattr(ns, name) and getattr(ns, name) != default]
+    # The defaults as the parser itself gives them (however cli_args derives them).
+    defaults = vars(build_parser().parse_args([ns.command]))
+    return ["--" + f.name.replace("_", "-") for f in dataclasses.fields(EngineArgs)
+            if f.name in defaults and getattr(ns, f.name) != defaults[f.name]]
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
