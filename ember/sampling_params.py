@@ -119,10 +119,11 @@ class SamplingParams:
             raise bad("min_tokens", "must be greater than or equal to 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", "must be non-negative")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise bad("prompt_logprobs", "must be non-negative")
+        # -1: the whole vocabulary (vLLM's; the engine's max_logprobs must allow it).
+        if self.logprobs is not None and self.logprobs < -1:
+            raise bad("logprobs", "must be non-negative, or -1 for the whole vocabulary")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise bad("prompt_logprobs", "must be non-negative, or -1 for the whole vocabulary")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must contain only non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -221,6 +221,13 @@ def test_logprob_caps():
     check_logprobs(SamplingParams(logprobs=V), -1, V)  # -1: no cap but the vocabulary
     with pytest.raises(ValueError, match="logprobs=41.*vocabulary size 40"):
         check_logprobs(SamplingParams(logprobs=V + 1), -1, V)
+    whole = SamplingParams(logprobs=-1, prompt_logprobs=-1)  # vLLM's "the whole vocabulary"
+    check_logprobs(whole, -1, V)
+    assert (whole.logprobs, whole.prompt_logprobs) == (V, V)
+    with pytest.raises(ValueError, match="SamplingParams.logprobs=-1.*max_logprobs=20"):
+        check_logprobs(SamplingParams(logprobs=-1), 20, V)
+    with pytest.raises(ValueError, match="SamplingParams.logprobs must be non-negative, or -1"):
+        SamplingParams(logprobs=-2)
 
 
 # ---------------------------------------------------------------- CUDA

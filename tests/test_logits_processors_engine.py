@@ -308,5 +308,11 @@ def test_max_logprobs_engine_argument(tiny):
     unlimited = LLM(path, skip_tokenizer_init=True, max_model_len=96, max_logprobs=-1)
     out = unlimited.generate(prompt, SamplingParams(max_tokens=1, logprobs=100), use_tqdm=False)
     assert len(out[0].outputs[0].logprobs[0]) >= 100
+    whole = unlimited.generate(prompt, SamplingParams(max_tokens=2, logprobs=-1, prompt_logprobs=-1),
+                               use_tqdm=False)[0]
+    assert all(len(pos) == 320 for pos in whole.outputs[0].logprobs)  # the whole vocabulary
+    assert all(len(pos) == 320 for pos in whole.prompt_logprobs[1:])
+    with pytest.raises(ValueError, match="SamplingParams.logprobs=-1.*max_logprobs=3"):
+        llm.generate(prompt, SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)
     with pytest.raises(ValueError, match="max_logprobs"):
         EngineArgs(max_logprobs=-2).validate()

@@ -312,8 +312,8 @@ def test_min_tokens_masks_eos_and_stop_ids():
         ("repetition_penalty", 0.0),
         ("max_tokens", 0),
         ("min_tokens", -1),
-        ("logprobs", -1),
-        ("prompt_logprobs", -1),
+        ("logprobs", -2),  # -1 is the whole vocabulary (vLLM)
+        ("prompt_logprobs", -2),
         ("stop", [""]),
         ("stop_token_ids", [-1]),
     ],

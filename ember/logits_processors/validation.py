@@ -28,14 +28,16 @@ def validate_request_params(params: SamplingParams, *, vocab_size: int, max_logp
 
 def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
     """vLLM's max_logprobs: logprobs and prompt_logprobs may not exceed it (-1: no cap but the
-    vocabulary's size)."""
+    vocabulary's size). A request's -1 asks for the whole vocabulary: it becomes vocab_size."""
     cap = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
-        if value is not None and value > cap:
+        wanted = vocab_size if value == -1 else value
+        if wanted is not None and wanted > cap:
             why = (f"the vocabulary size {vocab_size}" if cap == vocab_size
                    else f"max_logprobs={max_logprobs} (an engine argument: LLM(max_logprobs=...))")
             raise ValueError(f"SamplingParams.{name}={value} is more than {why} allows")
+        setattr(params, name, wanted)
 
 
 def _check_in_vocab(name: str, token_ids: list[int], vocab_size: int) -> None:
