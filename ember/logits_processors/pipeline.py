@@ -52,6 +52,8 @@ class StepProcessors:
 
 
 class LogitsProcessorSet:
+    """One model runner's processors: built once each, asked per row which are active."""
+
     def __init__(self, ctx: ProcessorContext) -> None:
         self.ctx = ctx
         self._procs: dict[str, LogitsProcessor] = {}
