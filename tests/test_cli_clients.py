@@ -91,6 +91,8 @@ def test_chat_url_refuses_engine_flags(url):
     result = ember(["chat", "--url", url, "-q", "hi", "--max-model-len", "256"])
     assert result.returncode == 2
     assert "--max-model-len" in result.stderr and "--url" in result.stderr
+    offline = ember(["chat", "-q", "hi", "--api-key", "k"])
+    assert offline.returncode == 2 and "--api-key need --url" in offline.stderr
 
 
 BATCH = [

@@ -64,6 +64,11 @@ def cmd_chat(ns: argparse.Namespace) -> int:
             raise ValueError(f"{', '.join(changed)} configure an offline engine and do nothing "
                              "with --url (the server's engine is already configured)")
         return cli_client.run_chat(ns)
+    client_only = [flag for flag, value in (("--model-name", ns.model_name),
+                                            ("--api-key", ns.api_key)) if value is not None]
+    if client_only:
+        raise ValueError(f"{', '.join(client_only)} need --url (a server to talk to); offline "
+                         "chat takes --model")
     llm = _make_llm(ns)
     history: list[dict[str, str]] = []
     if ns.system:
