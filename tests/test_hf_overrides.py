@@ -138,3 +138,31 @@ def test_module_level_override_reaches_a_core_process(tiny_llama, monkeypatch):
         assert got == _hf_reference(tiny_llama, num_hidden_layers=1)
     finally:
         llm.shutdown()
+
+
+def test_gguf_override_reads_only_the_kept_layers(tmp_path, monkeypatch):
+    """On a GGUF file too: num_hidden_layers=1 builds one layer and never dequantizes the
+    other's tensors."""
+    from test_gguf import write_gguf
+
+    import ember.models.loader.gguf as gguf_loader
+
+    path = tmp_path / "two-layers.gguf"
+    write_gguf(path, "llama", tied=False)
+    read: list[str] = []
+    real = gguf_loader._dequantize
+
+    def recording(path_, f, info):
+        read.append(info.name)
+        return real(path_, f, info)
+
+    monkeypatch.setattr(gguf_loader, "_dequantize", recording)
+    llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=64, num_gpu_blocks_override=16,
+              hf_overrides={"num_hidden_layers": 1, "rms_norm_eps": 0.5})
+    assert llm.apply_model(lambda m: (len(m.model.layers), m.model.norm.eps))[0] == (1, 0.5)
+    assert {n.split(".")[1] for n in read if n.startswith("blk.")} == {"0"}
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                       SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    llm.shutdown()
