@@ -1,7 +1,7 @@
 """disable_log_stats=False: vLLM-style periodic log lines (throughput, running/waiting, KV cache
 usage, prefix-cache hit rate) from LLMEngine (core in process and in its own) and AsyncLLM, with
 EMBER_LOG_STATS_INTERVAL=0 so every step may log (no timing assertions). Also AsyncLLM's engine
-control (reset_prefix_cache, sleep, wake_up, is_sleeping)."""
+control (reset_prefix_cache, sleep, wake_up, is_sleeping, collective_rpc)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ PROMPT = [3 + i for i in range(20)]
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory) -> str:
     return str(make_tiny_model("llama", tmp_path_factory.mktemp("stats")))
+
+
+def _num_layers(worker) -> int:  # module level: plain pickle carries it to the core
+    return worker.model.num_layers
 
 
 def _lines(caplog) -> list[re.Match]:
@@ -107,6 +111,7 @@ def test_async_llm_logs_stats_and_sleeps(tiny_path, monkeypatch, caplog):
         await engine.wake_up()
         assert not await engine.is_sleeping()
         assert await generate("b") == before
+        assert await engine.collective_rpc(_num_layers) == [3]
         await asyncio.sleep(1.5)  # the output thread logs at least every second
 
     try:

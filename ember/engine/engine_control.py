@@ -145,3 +145,19 @@ class AsyncEngineControlMixin:
 
     async def is_sleeping(self) -> bool:
         return bool(await self.call_core("is_sleeping"))  # type: ignore[attr-defined]
+
+    async def collective_rpc(self, method: str | Callable[..., Any],
+                             timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """LLMEngine.collective_rpc from asyncio code (the function always crosses pickled)."""
+        import asyncio
+
+        from ember.pickling import dumps, loads
+
+        payload = dumps((method, tuple(args), kwargs), f"collective_rpc({method!r})")
+        reply = await asyncio.wait_for(
+            self.call_core("collective_rpc_pickled", payload), timeout)  # type: ignore[attr-defined]
+        status, value = loads(reply)
+        if status == "error":
+            raise value
+        return value
