@@ -125,3 +125,22 @@ def test_seed_none_is_unseeded(model_path):
     assert runs["none_a"] != runs["none_b"]
     with pytest.raises(ValueError, match="seed"):
         EngineArgs(seed="7").validate()
+
+
+def test_llm_generate_prompt_fields(llm):
+    """cache_salt, refused fields and truncate_prompt_tokens through LLM.generate (the engine
+    tests cover LLMEngine and AsyncLLM)."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    text = "(LLM salt) " + PROMPT
+    hits = [llm.generate([{"prompt": text, **extra}], params)[0].num_cached_tokens > 0
+            for extra in ({}, {}, {"cache_salt": "s"}, {"cache_salt": "s"})]
+    assert hits == [False, True, False, True]
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate([{"prompt": text, "multi_modal_data": {"image": "x"}}], params)
+    ids = llm.get_tokenizer().encode(text)
+    [cut, direct] = llm.generate(
+        [text, {"prompt_token_ids": ids[-7:]}],
+        [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, truncate_prompt_tokens=7),
+         params])
+    assert cut.prompt_token_ids == ids[-7:]
+    assert cut.outputs[0].token_ids == direct.outputs[0].token_ids
