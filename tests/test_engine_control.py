@@ -218,3 +218,19 @@ def test_gpu_sleep_returns_memory(tmp_path):
         assert awake - results[level] >= 0.9 * (kv_bytes + weight_bytes), results
         assert results[f"{level} awake"] <= awake + 0.1 * kv_bytes, results  # nothing leaks
     llm.shutdown()
+
+
+def test_sleep_right_after_generate_with_async_scheduling(tiny_path, monkeypatch):
+    """With async scheduling the core may still hold a step planned before the last request
+    ended when the front end asks it to sleep: that step is finished, not a reason to refuse."""
+    monkeypatch.setenv("EMBER_ENGINE_PROCESS", "1")
+    llm = LLM(tiny_path, skip_tokenizer_init=True, max_model_len=128, num_gpu_blocks_override=64,
+              async_scheduling=True, enable_sleep_mode=True)
+    try:
+        before = _run(llm)
+        for level in (1, 2, 1):
+            llm.sleep(level=level)
+            llm.wake_up()
+            assert _run(llm) == before
+    finally:
+        llm.shutdown()

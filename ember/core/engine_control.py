@@ -42,8 +42,12 @@ class EngineCoreControl:
         check_sleep_mode(self.args, level)  # type: ignore[attr-defined]
         if self.sleep_level:
             return  # already asleep: vLLM's sleep is idempotent too
-        if self.has_work():  # type: ignore[attr-defined]
+        if self.scheduler.has_unfinished_requests():  # type: ignore[attr-defined]
             raise RuntimeError("cannot sleep while requests run: wait for them or abort them")
+        while self._in_flight is not None:  # type: ignore[attr-defined]
+            # Async scheduling planned a step before the last request ended; its tokens go to
+            # no one, but it must finish before the memory it uses is freed.
+            self.step()  # type: ignore[attr-defined]
         self._executor_method("sleep")(level)
         # The cached blocks' contents are gone with the KV cache.
         self.kv_cache_manager.reset_prefix_cache()  # type: ignore[attr-defined]
