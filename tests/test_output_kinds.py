@@ -188,3 +188,32 @@ def test_request_metrics_filled(engine, async_engine):
     [out] = run_engine(engine, [("metrics", PROMPT, params)])
     _check_metrics(out.metrics)
     _check_metrics(collect_async(async_engine, PROMPT, params, "metrics")[-1].metrics)
+
+
+def test_delta_prompt_logprobs_come_once(engine):
+    params = dict(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    [*_, cumulative] = run_engine(engine, [("plp-c", PROMPT, SamplingParams(**params))])
+    delta = run_engine(engine, [("plp-d", PROMPT, SamplingParams(
+        output_kind=KINDS.DELTA, **params))])
+    assert len(delta) > 1
+    carried = [o.prompt_logprobs for o in delta if o.prompt_logprobs]
+    assert len(carried) == 1 and delta[0].prompt_logprobs is carried[0]
+    assert len(carried[0]) == len(cumulative.prompt_logprobs) == len(cumulative.prompt_token_ids)
+    assert [list(d or {}) for d in carried[0]] == [list(d or {}) for d in cumulative.prompt_logprobs]
+
+
+def test_merge_delta_outputs():
+    """AsyncLLM joins DELTA outputs that queued up for a slow consumer."""
+    from ember.engine.output_processor import merge_delta_outputs
+    from ember.outputs import CompletionOutput, RequestOutput
+
+    def out(pieces, finished=False):
+        return RequestOutput("r", None, [1], [
+            CompletionOutput(i, text, ids, finish_reason="stop" if finished else None)
+            for i, text, ids in pieces], finished)
+
+    merged = merge_delta_outputs(out([(0, "a", [1]), (1, "x", [7])]),
+                                 out([(1, "y", [8]), (2, "q", [9])], finished=True))
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in merged.outputs] == [
+        (0, "a", [1], None), (1, "xy", [7, 8], "stop"), (2, "q", [9], "stop")]
+    assert merged.finished
