@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class EngineControlMixin:
-    """Needs: client, model_config, call_core, has_unfinished_requests (LLMEngine's)."""
+    """Needs: args, client, model_config, output_processor, call_core (LLMEngine's)."""
 
     _sleep_level: int = 0
     stats_tracker = None  # an EngineStatsTracker when disable_log_stats=False
@@ -43,7 +43,7 @@ class EngineControlMixin:
         from ember.core.engine_control import check_sleep_mode
 
         check_sleep_mode(self.args, level)  # type: ignore[attr-defined]
-        if self.has_unfinished_requests():  # type: ignore[attr-defined]
+        if self.output_processor.has_unfinished():  # type: ignore[attr-defined]
             raise RuntimeError("cannot sleep while requests run: wait for them or abort them")
         self.call_core("sleep", level)  # type: ignore[attr-defined]
         self._sleep_level = level
