@@ -3,10 +3,10 @@
 Scheduler unit tests: the waiting queue is ordered by (priority, arrival), lower first; when
 blocks run out the lowest-ranked running request is preempted (not the newest, as under fcfs);
 a waiting request that finds no blocks preempts running requests ranked below it, and only those.
-Engine runs (LLM, LLMEngine with its core in this process and in its own, AsyncLLM): requests
-finish in priority order, a high-priority arrival preempts a low-priority request that holds the
-KV cache, and greedy tokens equal an fcfs run (priority changes order, never results). Under
-fcfs a non-zero priority is a ValueError.
+Engine runs (LLM; LLMEngine with its core in this process, also with async scheduling, and in
+its own; AsyncLLM): requests are first scheduled in priority order, a high-priority arrival
+preempts a low-priority request that holds the KV cache, and greedy tokens equal an fcfs run
+(priority changes order, never results). Under fcfs a non-zero priority is a ValueError.
 """
 
 from __future__ import annotations
@@ -172,15 +172,18 @@ def _preemption_run(engine, priorities: tuple[int, int]) -> dict:
     return {o.request_id: o for o in finished}
 
 
-@pytest.mark.parametrize("multiprocess", [False, True], ids=["in_process", "core_process"])
-def test_high_priority_arrival_preempts(model_path, multiprocess):
-    engine = LLMEngine(text_args(model_path, scheduling_policy="priority", **_small()),
+@pytest.mark.parametrize("multiprocess,async_scheduling", [(False, False), (True, False),
+                                                           (False, True)],
+                         ids=["in_process", "core_process", "async_scheduling"])
+def test_high_priority_arrival_preempts(model_path, multiprocess, async_scheduling):
+    small = _small(async_scheduling=async_scheduling)
+    engine = LLMEngine(text_args(model_path, scheduling_policy="priority", **small),
                        multiprocess=multiprocess)
     try:
         prio = _preemption_run(engine, (5, 0))
     finally:
         engine.shutdown()
-    engine = LLMEngine(text_args(model_path, **_small()), multiprocess=multiprocess)
+    engine = LLMEngine(text_args(model_path, **small), multiprocess=multiprocess)
     try:
         with pytest.raises(ValueError, match="scheduling_policy"):
             engine.add_request("x", PROMPT, _params(2), priority=-1)
