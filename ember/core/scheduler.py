@@ -8,7 +8,8 @@ chunked. Running requests go first; if blocks run out, the newest running reques
 
 Under the "priority" policy (vLLM's) the waiting queue is ordered by (priority, arrival time),
 lower first; the request preempted when blocks run out is the running one that ranks last, and a
-waiting request that finds no blocks preempts running requests that rank below it.
+waiting request that finds no blocks preempts running requests that rank below it (vLLM v0's
+rule; v1 lets it wait: docs/architecture.md says why ember does not).
 
 Progress (`num_computed_tokens`) advances when a step is scheduled, not when it returns, so with
 asynchronous scheduling the next step can be planned while this one runs: a request that will
