@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -36,6 +36,9 @@ from ember.engine.processor import InputProcessor
 from ember.inputs import PromptType
 from ember.outputs import RequestOutput
 from ember.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from ember.beam_search import BeamSearchParams
 
 logger = logging.getLogger("ember")
 
@@ -222,6 +225,16 @@ class AsyncLLM(AsyncEngineControlMixin):
                 self._abort([request_id], notify=False)
             with self._lock:
                 self._streams.pop(request_id, None)
+
+    async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams,
+                          lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+        """vLLM's EngineClient.beam_search: yields one finished RequestOutput whose outputs are
+        the best beams, best first (generated tokens, text, cumulative_logprob). Each step's
+        beams are requests `{request_id}-beam{step}-{i}`; leaving early aborts them."""
+        from ember.beam_search import beam_search_async
+
+        async for output in beam_search_async(self, prompt, request_id, params, lora_request):
+            yield output
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests; their generate() streams end with a finish_reason "abort" output."""

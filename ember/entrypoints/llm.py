@@ -9,12 +9,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ember.config import EngineArgs
 from ember.inputs import PromptType
 from ember.outputs import RequestOutput
 from ember.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from ember.beam_search import BeamSearchOutput, BeamSearchParams
 
 
 class LLM:
@@ -118,6 +121,17 @@ class LLM:
             self.llm_engine.abort_request(ids)  # a bad prompt must not leave the others queued
             raise
         return self._run_engine(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: Any = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search (ember.beam_search): one BeamSearchOutput per prompt, its
+        `sequences` (tokens, text, cum_logprob) best first. Each step all live beams of all
+        prompts (at most concurrency_limit prompts at a time) go to the engine together."""
+        from ember.beam_search import beam_search_offline
+
+        return beam_search_offline(self, prompts, params, use_tqdm, concurrency_limit,
+                                   lora_request)
 
     def chat(
         self,
