@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "ember.entrypoints.llm:LLM",
     "SamplingParams": "ember.sampling_params:SamplingParams",
+    "StructuredOutputsParams": "ember.sampling_params:StructuredOutputsParams",
     "TextPrompt": "ember.inputs:TextPrompt",
     "TokensPrompt": "ember.inputs:TokensPrompt",
     "RequestOutput": "ember.outputs:RequestOutput",
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from ember.inputs import TextPrompt, TokensPrompt  # noqa: F401
     from ember.outputs import CompletionOutput, RequestOutput  # noqa: F401
     from ember.registry import ModelRegistry  # noqa: F401
-    from ember.sampling_params import SamplingParams  # noqa: F401
+    from ember.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

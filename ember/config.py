@@ -57,6 +57,10 @@ class EngineArgs:
     # vLLM's: LLM.sleep() / wake_up() are refused unless the engine was created with this.
     enable_sleep_mode: bool = False
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # vLLM's StructuredOutputsConfig, as a dict ({"backend": "auto" | "xgrammar" | "guidance" |
+    # a plugin's, "disable_any_whitespace": ..., ...}) or an
+    # ember.structured_output.StructuredOutputsConfig.
+    structured_outputs_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -98,6 +102,9 @@ class EngineArgs:
         if not isinstance(self.override_generation_config, dict):
             raise ValueError("override_generation_config must be a dict, got "
                              f"{type(self.override_generation_config).__name__}")
+        from ember.structured_output.config import StructuredOutputsConfig
+
+        StructuredOutputsConfig.of(self.structured_outputs_config).validate()
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
         if self.quantization not in (None, "gguf"):
@@ -126,6 +133,8 @@ class ModelConfig:
     # SamplingParams values the model asks for (EngineArgs.generation_config); empty: none.
     default_sampling: dict[str, Any] = field(default_factory=dict)
     max_logprobs: int = 20  # EngineArgs.max_logprobs
+    # EngineArgs.structured_outputs_config, resolved (a StructuredOutputsConfig; None: defaults).
+    structured_outputs: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -265,8 +274,15 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
         # "gguf" means the file's own quantization, already dequantized by the loader.
         quantization=None if args.quantization == "gguf" else args.quantization,
         max_logprobs=args.max_logprobs,
+        structured_outputs=_structured_outputs_config(args),
         default_sampling=_default_sampling(args, path),
     )
+
+
+def _structured_outputs_config(args: EngineArgs):
+    from ember.structured_output.config import StructuredOutputsConfig
+
+    return StructuredOutputsConfig.of(args.structured_outputs_config)
 
 
 def _default_sampling(args: EngineArgs, path: str) -> dict[str, Any]:

@@ -17,6 +17,64 @@ class RequestOutputKind(IntEnum):
     FINAL_ONLY = 2
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the text a request generates (vLLM's ``StructuredOutputsParams``): exactly
+    one of `json` (a JSON schema: dict, JSON string or pydantic model class), `regex`, `choice`
+    (the output is one of these strings), `grammar` (EBNF/GBNF, or Lark), `json_object=True` (any
+    JSON object) or `structural_tag` (a JSON string, xgrammar's / vLLM's format). The options
+    shape JSON output: `disable_any_whitespace` (compact JSON), `disable_additional_properties`
+    (objects get exactly their listed properties; guidance), `whitespace_pattern` (a regex for
+    the whitespace between JSON tokens; guidance). Whether the engine's grammar backend can
+    compile the constraint is checked when the request is added (a ValueError naming the
+    problem); ember.structured_output does the rest."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    # Set by the front end's validation: the grammar backend that compiles this request.
+    _backend: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        json_value = self.json
+        if isinstance(json_value, type) and hasattr(json_value, "model_json_schema"):
+            self.json = json_value.model_json_schema()  # a pydantic model class
+        elif json_value is not None and not isinstance(json_value, (str, dict)):
+            raise ValueError("StructuredOutputsParams.json must be a JSON schema (a dict, a JSON "
+                             f"string or a pydantic model class), got {type(json_value).__name__}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or any(
+                    not isinstance(c, str) for c in self.choice):
+                raise ValueError("StructuredOutputsParams.choice must be a non-empty list of "
+                                 f"strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a string, "
+                                 f"got {type(value).__name__}")
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutputsParams takes exactly one of json, regex, choice, grammar, "
+                f"json_object=True or structural_tag; got {', '.join(given) or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar", "json_object" or
+        "structural_tag"."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
 class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -35,7 +93,8 @@ class SamplingParams:
     (OpenAI's definition), repetition_penalty on prompt and generated tokens (CTRL's definition).
     logit_bias (token id -> bias, clamped to [-100, 100]), allowed_token_ids and bad_words are
     applied by the built-in logits processors; extra_args selects registered ones by name
-    ({name: args}); the engine checks token ids against the vocabulary.
+    ({name: args}); the engine checks token ids against the vocabulary. structured_outputs
+    constrains the output to a JSON schema, regex, choice or grammar (StructuredOutputsParams).
     """
 
     n: int = 1
@@ -68,6 +127,7 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
     # vLLM V1 refuses per-request callables too; a registered processor replaces them.
     logits_processors: Any = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from bad_words and the tokenizer (vLLM's update_from_tokenizer).
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Filled by the engine: the tokenizer's eos ids and the request's own stop ids, combined.
@@ -170,6 +230,12 @@ class SamplingParams:
         ):
             raise ValueError("SamplingParams.extra_args must be a dict from logits processor "
                              f"names to their arguments, got {self.extra_args!r}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            if not isinstance(so, dict):
+                raise ValueError("SamplingParams.structured_outputs must be a "
+                                 f"StructuredOutputsParams, got {type(so).__name__}")
+            self.structured_outputs = StructuredOutputsParams(**so)
         if self.logits_processors:
             raise ValueError(
                 "SamplingParams.logits_processors (per-request callables) is not supported, as "

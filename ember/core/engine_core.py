@@ -26,6 +26,8 @@ from ember.core.messages import (
 from ember.core.request import Request, RequestStatus
 from ember.core.scheduler import Scheduler
 from ember.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ember.structured_output.config import StructuredOutputsConfig
+from ember.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("ember")
 
@@ -56,6 +58,13 @@ class EngineCore(EngineCoreControl):
             )
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         platform = self.executor.platform
+        from ember.config import load_engine_tokenizer
+
+        # Grammars are built on worker threads; the tokenizer is loaded there, on first use.
+        self.structured_output = StructuredOutputManager(
+            StructuredOutputsConfig.of(args.structured_outputs_config),
+            lambda: load_engine_tokenizer(args, self.model_config),
+            self.model_config.vocab_size)
         self.async_scheduling = args.async_scheduling
         if self.async_scheduling is None:
             # Only a device that runs behind the host gains from overlapping the two.
@@ -67,6 +76,7 @@ class EngineCore(EngineCoreControl):
             self.max_model_len,
             self.async_scheduling,
             policy=args.scheduling_policy,
+            structured_output=self.structured_output,
         )
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # (plan, launched step)
         self._injected_failure: str | None = None
@@ -101,6 +111,8 @@ class EngineCore(EngineCoreControl):
         request = Request(req.request_id, req.prompt_token_ids, params, set(req.eos_token_ids),
                           self.args.block_size, req.arrival_time, priority=req.priority,
                           cache_salt=req.cache_salt)
+        if params.structured_outputs is not None:
+            self.structured_output.add(request)  # compiles on a worker thread
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -122,17 +134,39 @@ class EngineCore(EngineCoreControl):
             return EngineCoreOutputs(timestamp=time.time())
         timer = self.timer
         timer.start()
-        plan = self.scheduler.schedule()
+        folded = None
+        if self._in_flight is not None and self._in_flight[0].grammar_bitmask is not None:
+            # Structured outputs under async scheduling: the next step's bitmask needs the
+            # tokens of the step in flight, so that step is folded in first (its grammar rows
+            # would otherwise be masked by a stale grammar state). Steps without grammar rows
+            # keep the overlap.
+            prev, self._in_flight = self._in_flight, None
+            folded = self._fold_in(prev[0], prev[1].resolve())
+        scheduler = self.scheduler
+        plan = scheduler.schedule()
+        if self.structured_output.in_use and plan.scheduled_requests:
+            plan.grammar_bitmask = self.structured_output.grammar_bitmask(plan)
         timer.mark("schedule")
         launched = None if plan.is_empty else (plan, self.executor.launch(plan))
         timer.mark("prepare")
         if self.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         if launched is None:
-            return EngineCoreOutputs(timestamp=time.time())
+            if plan.is_empty and self._in_flight is None and scheduler.compiling:
+                self.structured_output.wait(0.01)  # only grammars being built: don't spin
+            return self._report_failed(folded or EngineCoreOutputs(timestamp=time.time()))
         result = launched[1].resolve()  # the step's one device-to-host sync
         timer.mark("wait")
-        return self._fold_in(launched[0], result)
+        return self._report_failed(self._fold_in(launched[0], result))
+
+    def _report_failed(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Requests whose grammar could not be built end with finish_reason "abort"."""
+        failed = self.scheduler.failed
+        if failed:
+            outputs.outputs.extend(EngineCoreOutput(r.request_id, finish_reason="abort")
+                                   for r in failed)
+            failed.clear()
+        return outputs
 
     def _fold_in(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         touched = self.scheduler.update_from_output(plan, result)
@@ -167,7 +201,7 @@ class EngineCore(EngineCoreControl):
         scheduler = self.scheduler
         return SchedulerStats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            num_waiting=len(scheduler.waiting) + len(scheduler.compiling),
             kv_cache_usage=kv.usage(),
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=kv.prefix_queries,
@@ -204,6 +238,7 @@ class EngineCore(EngineCoreControl):
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         shutdown = getattr(self.executor, "shutdown", None)
         if shutdown is not None:
             shutdown()

@@ -11,6 +11,10 @@ lower first; the request preempted when blocks run out is the running one that r
 waiting request that finds no blocks preempts running requests that rank below it (vLLM v0's
 rule; v1 lets it wait: docs/architecture.md says why ember does not).
 
+Structured outputs: a request whose grammar is still compiling waits aside (`compiling`) and
+joins the waiting queue when its grammar is ready, so it blocks no one; each sampled token
+advances its grammar, and a grammar that completes finishes the request ("stop").
+
 Progress (`num_computed_tokens`) advances when a step is scheduled, not when it returns, so with
 asynchronous scheduling the next step can be planned while this one runs: a request that will
 sample gets an output placeholder, and its next decode is scheduled before the token is known (the
@@ -41,6 +45,7 @@ class Scheduler:
         max_model_len: int,
         async_scheduling: bool = False,
         policy: str = "fcfs",
+        structured_output=None,
     ) -> None:
         self.kv = kv_cache_manager
         self.policy = policy
@@ -51,6 +56,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = make_waiting_queue(policy)
         self.running: list[Request] = []
+        # Structured outputs (ember.structured_output.manager): requests whose grammar is being
+        # built, and those whose build failed (ended "abort"; the engine core reports them).
+        self.structured_output = structured_output
+        self.compiling: list[Request] = []
+        self.failed: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the workers at the next step
         self._known_to_workers: dict[str, int] = {}  # req id -> blocks the workers know of
         # Workers keep a preempted request's state (its generator) until it finishes.
@@ -60,7 +70,24 @@ class Scheduler:
     # ---- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        if request.structured_output is not None:
+            self.compiling.append(request)  # joins `waiting` when its grammar is built
+            return
         self.waiting.append(request)
+
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar is built into the waiting queue (in arrival order)."""
+        still = []
+        for request in self.compiling:
+            if not self.structured_output.ready(request):
+                still.append(request)
+            elif request.structured_output.error is not None:
+                request.status = RequestStatus.FINISHED_ABORTED
+                self._free(request)
+                self.failed.append(request)
+            else:
+                self.waiting.append(request)
+        self.compiling = still
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """End requests from outside (abort, stop string): free their blocks now."""
@@ -76,7 +103,10 @@ class Scheduler:
         try:
             self.running.remove(request)
         except ValueError:  # waiting, or preempted while its last step was in flight
-            self.waiting.remove(request)
+            if request in self.compiling:
+                self.compiling.remove(request)
+            else:
+                self.waiting.remove(request)
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)
@@ -87,13 +117,15 @@ class Scheduler:
             self._worker_states.discard(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.compiling)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.compiling)
 
     # ---- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.compiling:
+            self._admit_compiled()
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         budget = self.max_num_batched_tokens
@@ -267,7 +299,9 @@ class Scheduler:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-            if request.check_stop(max_model_len):
+            grammar = request.structured_output
+            if (grammar is not None and self.structured_output.accept(request, token)) \
+                    or request.check_stop(max_model_len):
                 self._remove(request)
                 self._free(request)
             touched.append(request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ember.sampling_params import SamplingParams
 
@@ -30,6 +31,16 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """Structured outputs: the allowed next tokens of the requests sampling under a grammar this
+    step; row i of `bitmask` (an int32 [rows, ceil(V / 32)] CPU tensor, bit j of word w allows
+    token 32 * w + j) belongs to req_ids[i]."""
+
+    req_ids: list[str]
+    bitmask: Any
+
+
+@dataclass
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
@@ -39,6 +50,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)  # workers drop the batch slot
     # The scheduler's own Request objects, for folding results back in (not for the workers).
     scheduled_requests: list = field(default_factory=list)
+    grammar_bitmask: GrammarBitmask | None = None  # structured outputs (set by the engine core)
 
     @property
     def is_empty(self) -> bool:

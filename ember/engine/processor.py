@@ -115,7 +115,8 @@ class InputProcessor:
         ids = self.truncate(ids, params.truncate_prompt_tokens)
         self.validate_prompt(ids)
         validate_request_params(params, vocab_size=self.vocab_size, tokenizer=self.tokenizer,
-                                max_logprobs=self.model_config.max_logprobs)
+                                max_logprobs=self.model_config.max_logprobs,
+                                structured_outputs_config=self.model_config.structured_outputs)
         children = []
         for index in range(params.n):
             child = self.child_params(params, index, len(ids))

@@ -23,7 +23,8 @@ from typing import Any
 
 _TITLES = {"models": "Models", "attention_backends": "Attention backends",
            "quantization_methods": "Quantization methods", "platforms": "Platforms",
-           "executors": "Executors", "logits_processors": "Logits processors"}
+           "executors": "Executors", "logits_processors": "Logits processors",
+           "grammar_backends": "Grammar backends (structured outputs)"}
 
 
 def add_subparser(subparsers: Any) -> argparse.ArgumentParser:

@@ -14,8 +14,9 @@ from ember.sampling_params import SamplingParams
 
 
 def validate_request_params(params: SamplingParams, *, vocab_size: int, max_logprobs: int,
-                            tokenizer: Any) -> None:
-    """Check `params` for a model with `vocab_size` tokens; fills params._bad_words_token_ids."""
+                            tokenizer: Any, structured_outputs_config: Any = None) -> None:
+    """Check `params` for a model with `vocab_size` tokens; fills params._bad_words_token_ids
+    and, for structured outputs, the grammar backend that will compile the request."""
     check_logprobs(params, max_logprobs, vocab_size)
     if params.logit_bias:
         _check_in_vocab("logit_bias", list(params.logit_bias), vocab_size)
@@ -24,6 +25,10 @@ def validate_request_params(params: SamplingParams, *, vocab_size: int, max_logp
     if params.bad_words:
         params._bad_words_token_ids = bad_words_token_ids(params.bad_words, tokenizer, vocab_size)
     check_extra_args(params, vocab_size)
+    if params.structured_outputs is not None:
+        from ember.structured_output.validation import validate_structured_outputs
+
+        validate_structured_outputs(params, structured_outputs_config, tokenizer)
 
 
 def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:

@@ -84,6 +84,17 @@ def ember_register_logits_processors(registry, api_version):  # type: ignore[no-
     """
 
 
+@hookspec
+def ember_register_grammar_backends(registry, api_version):  # type: ignore[no-untyped-def]
+    """Register grammar backends (structured outputs):
+    ``registry.register_grammar_backend(name, "mod:Cls")``.
+
+    `registry` is ember.registry.GrammarBackendRegistry; the class implements
+    ember.structured_output.interface.StructuredOutputBackend, and an engine uses it with
+    ``structured_outputs_config={"backend": name}``. Added in plugin API v1 without a version bump.
+    """
+
+
 # Hook name -> registry key in ember.registry.REGISTRIES, in the order hooks are called.
 HOOKS: dict[str, str] = {
     "ember_register_platforms": "platforms",
@@ -92,4 +103,5 @@ HOOKS: dict[str, str] = {
     "ember_register_models": "models",
     "ember_register_executors": "executors",
     "ember_register_logits_processors": "logits_processors",
+    "ember_register_grammar_backends": "grammar_backends",
 }

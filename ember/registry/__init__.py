@@ -1,5 +1,6 @@
 """The registries (models, attention backends, quantization methods, platforms, executors,
-logits processors), their built-in entries, and the snapshot/restore hand-off to worker processes.
+logits processors, grammar backends), their built-in entries, and the snapshot/restore hand-off
+to worker processes.
 
 Importing this package imports no model, backend, platform, executor or plugin code, and it
 imports nothing of ember.plugins: the plugin loader registers into ember.registry.hooks (when
@@ -158,12 +159,27 @@ class LogitsProcessorRegistryType(LazyRegistry[type]):
         return self.names()
 
 
+class GrammarBackendRegistryType(LazyRegistry[type]):
+    """Grammar backend name -> ember.structured_output.interface.StructuredOutputBackend subclass
+    (structured outputs: `xgrammar`, the default, and `guidance` built in). The engine picks one
+    with EngineArgs.structured_outputs_config={"backend": name} ("auto": xgrammar, else
+    guidance)."""
+
+    def register_grammar_backend(self, name: str, backend_cls: str | type, *,
+                                 override: bool = False, **capabilities: Any) -> Entry:
+        return self.register(name, backend_cls, capabilities=capabilities, override=override)
+
+    def get_supported_grammar_backends(self) -> list[str]:
+        return self.names()
+
+
 ModelRegistry = ModelRegistryType("model architecture")
 AttentionBackendRegistry = AttentionBackendRegistryType("attention backend")
 QuantizationRegistry = QuantizationRegistryType("quantization method")
 PlatformRegistry = PlatformRegistryType("platform")
 ExecutorRegistry = ExecutorRegistryType("executor")
 LogitsProcessorRegistry = LogitsProcessorRegistryType("logits processor")
+GrammarBackendRegistry = GrammarBackendRegistryType("grammar backend")
 
 REGISTRIES: dict[str, LazyRegistry] = {
     "models": ModelRegistry,
@@ -172,6 +188,7 @@ REGISTRIES: dict[str, LazyRegistry] = {
     "platforms": PlatformRegistry,
     "executors": ExecutorRegistry,
     "logits_processors": LogitsProcessorRegistry,
+    "grammar_backends": GrammarBackendRegistry,
 }
 
 _BUILTIN_MODELS = {
@@ -218,6 +235,10 @@ _BUILTIN_LOGITS_PROCESSORS = {
     "logit_bias": "LogitBiasLogitsProcessor",
     "min_p": "MinPLogitsProcessor",
 }
+_BUILTIN_GRAMMAR_BACKENDS = {
+    "xgrammar": "ember.structured_output.xgrammar_backend:XgrammarBackend",
+    "guidance": "ember.structured_output.guidance_backend:GuidanceBackend",
+}
 
 for _name, _target in _BUILTIN_MODELS.items():
     ModelRegistry.register(_name, _target, owner="ember")
@@ -232,6 +253,9 @@ for _name, _target in _BUILTIN_EXECUTORS.items():
 for _name in _BUILTIN_LOGITS_PROCESSORS:
     LogitsProcessorRegistry.register(
         _name, f"ember.logits_processors.builtin:{_BUILTIN_LOGITS_PROCESSORS[_name]}", owner="ember")
+
+for _name, _target in _BUILTIN_GRAMMAR_BACKENDS.items():
+    GrammarBackendRegistry.register(_name, _target, owner="ember")
 
 
 def snapshot() -> dict[str, Any]:
@@ -286,6 +310,7 @@ __all__ = [
     "PlatformRegistry",
     "ExecutorRegistry",
     "LogitsProcessorRegistry",
+    "GrammarBackendRegistry",
     "REGISTRIES",
     "registering_as",
     "snapshot",

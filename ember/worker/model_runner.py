@@ -13,9 +13,9 @@ import torch
 
 from ember.attention_backends.base import AttentionBackend, AttentionMetadata
 from ember.config import ModelConfig
-from ember.core.scheduler_output import SchedulerOutput
+from ember.core.scheduler_output import GrammarBitmask, SchedulerOutput
 from ember.layers.sampler import Sampler, greedy_argmax
-from ember.logits_processors.interface import ProcessorContext
+from ember.logits_processors.interface import ProcessorContext, to_device
 from ember.logits_processors.pipeline import LogitsProcessorSet
 from ember.worker.in_flight import InFlightStep
 from ember.worker.input_batch import (
@@ -267,7 +267,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, ctx)
         self._prompt_logprobs(batch, hidden, out, step.result)
         if batch.sample_rows:
-            self._sample(batch, hidden, step, previous)
+            self._sample(batch, hidden, step, previous, out.grammar_bitmask)
         self.stager.end()
         for req_id, num in out.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += num
@@ -288,7 +288,7 @@ class ModelRunner:
         input_ids[positions] = previous.sampled[sources]  # type: ignore[index]
 
     def _sample(self, batch: FlatBatch, hidden: torch.Tensor, step: InFlightStep,
-                previous: InFlightStep | None) -> None:
+                previous: InFlightStep | None, grammar: GrammarBitmask | None = None) -> None:
         from ember.layers.sampling_metadata import build_sampling_metadata
 
         if len(batch.sample_rows) == len(hidden):  # pure decode: every token samples, in order
@@ -299,9 +299,9 @@ class ModelRunner:
             indices = self._stage("logits_indices", batch.logits_indices, torch.int64)
             logits = self.model.compute_logits(hidden[indices])
         processors = self.logits_processors
-        if not self.special_sampling_reqs or all(
+        if grammar is None and (not self.special_sampling_reqs or all(
             _plain_greedy(s.sampling_params, len(s.output_token_ids), processors) for s in rows
-        ):
+        )):
             # Nothing to build: no penalties, masks or logprobs, just the argmax.
             step.attach_samples(rows, greedy_argmax(logits), None)
             return
@@ -324,8 +324,26 @@ class ModelRunner:
             processors,
             [s.req_id for s in rows],
         )
+        if grammar is not None:
+            self._attach_grammar(metadata, rows, grammar)
         sampled = self.sampler(logits, metadata)
         step.attach_samples(rows, sampled.sampled_token_ids, sampled.logprobs)
+
+    def _attach_grammar(self, metadata, rows: list, grammar: GrammarBitmask) -> None:
+        """Structured outputs: the scheduler's bitmask rows, matched to this step's logits rows
+        and copied to the device without blocking."""
+        index = {state.req_id: i for i, state in enumerate(rows)}
+        pairs = [(index[req_id], j) for j, req_id in enumerate(grammar.req_ids) if req_id in index]
+        if not pairs:
+            return
+        bitmask = grammar.bitmask
+        if len(pairs) != len(bitmask) or any(j != k for k, (_, j) in enumerate(pairs)):
+            bitmask = bitmask[[j for _, j in pairs]]
+        pin = self.device.type == "cuda"
+        if pin:
+            bitmask = bitmask.pin_memory()
+        metadata.grammar_bitmask = bitmask.to(self.device, non_blocking=pin)
+        metadata.grammar_rows = to_device([i for i, _ in pairs], torch.int64, self.device)
 
     def _prompt_logprobs(
         self, batch: FlatBatch, hidden: torch.Tensor, out: SchedulerOutput, result

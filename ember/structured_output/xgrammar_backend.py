@@ -1,0 +1,158 @@
+"""The `xgrammar` grammar backend (the default): JSON schema, regex, choice, EBNF/GBNF or Lark
+grammars and structural tags, compiled by xgrammar against the engine's tokenizer.
+
+xgrammar drops some JSON-schema keywords without a word (the output could then break the
+schema), so `validate` refuses them by name first; under backend "auto" such a schema goes to
+guidance instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from ember.structured_output.config import StructuredOutputsConfig
+from ember.structured_output.interface import Grammar, GrammarSpec, StructuredOutputBackend
+
+# String formats xgrammar's JSON-schema converter turns into grammar rules.
+_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+            "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
+# Keyword -> why it is refused (xgrammar would ignore it).
+_IGNORED = {
+    "multipleOf": "numbers with multipleOf",
+    "uniqueItems": "arrays with uniqueItems",
+    "contains": "arrays with contains",
+    "minContains": "arrays with minContains",
+    "maxContains": "arrays with maxContains",
+    "patternProperties": "patternProperties",
+    "propertyNames": "propertyNames",
+    "dependentSchemas": "dependentSchemas",
+    "if": "if/then/else",
+    "not": "not",
+}
+
+
+def unsupported_json_feature(schema: Any, path: str = "#") -> str | None:
+    """The first schema feature xgrammar cannot enforce, as "<what> at <path>", or None."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            found = unsupported_json_feature(item, f"{path}/{i}")
+            if found:
+                return found
+        return None
+    if not isinstance(schema, dict):
+        return None
+    for key, what in _IGNORED.items():
+        if key in schema and not (key == "uniqueItems" and schema[key] is False):
+            return f"{what} at {path}"
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt not in _FORMATS:
+        return f"string format {fmt!r} at {path}"
+    if ("pattern" in schema or "format" in schema) and (
+            "minLength" in schema or "maxLength" in schema):
+        return f"a string pattern or format combined with minLength/maxLength at {path}"
+    for key, value in schema.items():
+        if key in ("enum", "const", "default", "examples"):
+            continue  # values, not schemas
+        if isinstance(value, (dict, list)):
+            found = unsupported_json_feature(value, f"{path}/{key}")
+            if found:
+                return found
+    return None
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar whose strings are exactly `choices`."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def is_lark(grammar: str) -> bool:
+    """GBNF/EBNF rules are defined with "::="; Lark's with ":"."""
+    return not re.search(r"^\s*[\w-]+\s*::=", grammar, re.MULTILINE)
+
+
+def build_grammar(spec: GrammarSpec) -> Any:
+    """The xgrammar Grammar of a spec (parses it; raises on what xgrammar refuses)."""
+    import xgrammar as xgr
+
+    kind = spec.kind
+    if spec.whitespace_pattern is not None and kind in ("json", "json_object"):
+        raise ValueError("whitespace_pattern is not supported by xgrammar (use backend "
+                         "'guidance', or disable_any_whitespace)")
+    if kind in ("json", "json_object"):
+        schema = spec.json_schema()
+        if kind == "json":
+            problem = unsupported_json_feature(schema)
+            if problem:
+                raise ValueError(f"the JSON schema uses {problem}, which xgrammar does not "
+                                 "enforce")
+        return xgr.Grammar.from_json_schema(json.dumps(schema),
+                                            any_whitespace=not spec.disable_any_whitespace)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(spec.value)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(choice_ebnf(spec.choices()))
+    if kind == "grammar":
+        return (xgr.Grammar.from_lark(spec.value) if is_lark(spec.value)
+                else xgr.Grammar.from_ebnf(spec.value))
+    if kind == "structural_tag":
+        tag = json.loads(spec.value)
+        if isinstance(tag, dict) and "structures" in tag:  # vLLM's older format
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
+                                           end=s["end"]) for s in tag["structures"]]
+            return xgr.Grammar.from_structural_tag(items, tag["triggers"])
+        return xgr.Grammar.from_structural_tag(spec.value)
+    raise ValueError(f"xgrammar: unknown structured output kind {kind!r}")
+
+
+class XgrammarGrammar(Grammar):
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def accept_token(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
+
+class XgrammarBackend(StructuredOutputBackend):
+    name = "xgrammar"
+
+    @classmethod
+    def validate(cls, spec: GrammarSpec) -> None:
+        try:
+            build_grammar(spec)
+        except ValueError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError with its parser's message
+            raise ValueError(f"xgrammar cannot compile the {spec.kind}: {_message(exc)}") from None
+
+    def __init__(self, tokenizer: Any, vocab_size: int, config: StructuredOutputsConfig) -> None:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        # ember caches compiled grammars itself (ember.structured_output.manager).
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        return self.compiler.compile_grammar(build_grammar(spec))
+
+    def new_grammar(self, compiled: Any, stop_token_ids: list[int]) -> Grammar:
+        import xgrammar as xgr
+
+        return XgrammarGrammar(xgr.GrammarMatcher(
+            compiled, override_stop_tokens=list(stop_token_ids) or None))
+
+
+def _message(exc: Exception) -> str:
+    # xgrammar's messages start with "[time] /path/file.cc:line: "; keep what follows.
+    text = str(exc).strip()
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text) or type(exc).__name__
