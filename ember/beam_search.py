@@ -106,8 +106,9 @@ class BeamSearchInstance:
                  max_model_len: int, cache_salt: str | None = None) -> None:
         self.prompt_len = len(prompt_ids)
         self.params = params
+        # With ignore_eos an eos is an ordinary token, in the score's length too (vLLM still
+        # leaves a final eos out of the length there).
         self.eos_ids = frozenset(() if params.ignore_eos else eos_ids)
-        self.score_eos = frozenset(eos_ids)
         self.cache_salt = cache_salt
         self.beams = [BeamSearchSequence(list(prompt_ids))]
         self.completed: list[BeamSearchSequence] = []
@@ -115,7 +116,7 @@ class BeamSearchInstance:
         self.steps_left = min(params.max_tokens, max_model_len - self.prompt_len)
 
     def score(self, beam: BeamSearchSequence) -> float:
-        return get_beam_search_score(beam.tokens, beam.cum_logprob, self.score_eos,
+        return get_beam_search_score(beam.tokens, beam.cum_logprob, self.eos_ids,
                                      self.params.length_penalty)
 
     def step_prompts(self) -> list[dict[str, Any]]:
