@@ -400,3 +400,38 @@ def test_async_beam_search_matches_offline(models):
         assert [o.cumulative_logprob for o in final.outputs] == \
             pytest.approx([s.cum_logprob for s in off.sequences], abs=1e-5)
         assert [o.finish_reason for o in final.outputs] == [s.finish_reason for s in off.sequences]
+
+
+def test_text_prompts_and_text(tmp_path):
+    """With a tokenizer: a text prompt, `text` = prompt and generated text (vLLM's offline
+    field), the async output's text = the generated text; a final eos stays out of both."""
+    from text_model import PROMPT, make_text_model, text_args
+
+    from ember.engine.async_llm import AsyncLLM
+
+    path = make_text_model(tmp_path)
+    args = text_args(path, max_model_len=128)
+    llm = LLM(path, tokenizer=args.tokenizer, max_model_len=128)
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    [out] = llm.beam_search([PROMPT], params)
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = tokenizer.encode(PROMPT)
+    for seq in out.sequences:
+        assert seq.tokens[: len(prompt_ids)] == prompt_ids
+        shown = seq.tokens[:-1] if seq.finish_reason == "stop" else seq.tokens
+        assert seq.text == tokenizer.decode(shown)
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+    engine = AsyncLLM(args)
+
+    async def run():
+        return [o async for o in engine.beam_search(PROMPT, "t", params)]
+
+    try:
+        [final] = asyncio.run(run())
+    finally:
+        engine.shutdown_sync()
+    assert final.prompt == PROMPT and final.prompt_token_ids == prompt_ids
+    for o, seq in zip(final.outputs, out.sequences):
+        assert o.token_ids == seq.tokens[len(prompt_ids):len(prompt_ids) + len(o.token_ids)]
+        assert o.text == tokenizer.decode(o.token_ids)
