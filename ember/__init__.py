@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "ember.entrypoints.llm:LLM",
     "SamplingParams": "ember.sampling_params:SamplingParams",
+    "BeamSearchParams": "ember.beam_search:BeamSearchParams",
     "StructuredOutputsParams": "ember.sampling_params:StructuredOutputsParams",
     "TextPrompt": "ember.inputs:TextPrompt",
     "TokensPrompt": "ember.inputs:TokensPrompt",
@@ -29,6 +30,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
+    from ember.beam_search import BeamSearchParams  # noqa: F401
     from ember.config import EngineArgs  # noqa: F401
     from ember.engine.llm_engine import LLMEngine  # noqa: F401
     from ember.entrypoints.llm import LLM  # noqa: F401

@@ -263,3 +263,12 @@ def _token_id(value: Any) -> int | None:
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         return int(value)
     return None
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM's import path for BeamSearchParams; it lives with the beam search.
+    if name == "BeamSearchParams":
+        from ember.beam_search import BeamSearchParams
+
+        return BeamSearchParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
