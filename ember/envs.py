@@ -74,3 +74,9 @@ def log_stats_interval() -> float:
         return float(value) if value is not None else 10.0
     except ValueError as exc:
         raise ValueError(f"EMBER_LOG_STATS_INTERVAL must be a number of seconds, got {value!r}") from exc
+
+
+def server_dev_mode() -> bool:
+    """EMBER_SERVER_DEV_MODE=1: `ember serve` adds /reset_prefix_cache, /sleep, /wake_up and
+    /is_sleeping (vLLM's VLLM_SERVER_DEV_MODE): engine control for operators, not clients."""
+    return _flag("EMBER_SERVER_DEV_MODE")

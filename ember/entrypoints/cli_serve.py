@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="HTTP server processes in front of the one engine core (tokenizing, "
                              "detokenizing and streaming spread over them); metrics sum up")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests replace the chat template (chat_template field); "
+                             "off by default: a template runs code-like Jinja on the server")
     limits = parser.add_argument_group("limits on clients")
     limits.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get a 413 before they are read "

@@ -13,8 +13,9 @@ import argparse
 import hmac
 import logging
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -78,10 +79,13 @@ def build_app(
     api_key: str | None = None,
     shutdown_engine_on_exit: bool = True,
     limits: ServerLimits | None = None,
+    trust_request_chat_template: bool = False,
+    dev_mode: bool | None = None,
 ) -> FastAPI:
-    """The app over `engine`; `limits` (body size, body idle time) default to ServerLimits()."""
+    """The app over `engine`; `limits` (body size, body idle time) default to ServerLimits();
+    `dev_mode` (default: EMBER_SERVER_DEV_MODE) adds the engine-control endpoints."""
     names = served_model_names or [engine.model_config.path]
-    ctx = ServingContext(engine, names)
+    ctx = ServingContext(engine, names, trust_request_chat_template)
     metrics = prom.ServerMetrics(engine, ctx.model_name)
     engine.add_stat_logger(metrics.record)
 
@@ -169,7 +173,36 @@ def build_app(
             ctx.check_tokens(req.tokens, param="tokens")
         return DetokenizeResponse(prompt=await ctx.decode_async(req.tokens))
 
+    if envs.server_dev_mode() if dev_mode is None else dev_mode:
+        add_dev_endpoints(app, engine)
     return app
+
+
+def add_dev_endpoints(app: FastAPI, engine: AsyncLLM) -> None:
+    """vLLM's development endpoints (behind VLLM_SERVER_DEV_MODE there, EMBER_SERVER_DEV_MODE
+    here): they act on the whole engine, so they are for operators, never for clients."""
+
+    @app.post("/reset_prefix_cache", response_class=Response)
+    async def reset_prefix_cache() -> Response:
+        await engine.reset_prefix_cache()
+        return Response(status_code=200)
+
+    @app.post("/sleep", response_class=Response, responses=_ERRORS)
+    async def sleep(level: int = 1) -> Response:
+        try:
+            await engine.sleep(level)
+        except (ValueError, RuntimeError) as exc:
+            raise OpenAIError(str(exc), 400, param="level") from None
+        return Response(status_code=200)
+
+    @app.post("/wake_up", response_class=Response)
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:
+        await engine.wake_up(tags)
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": await engine.is_sleeping()}
 
 
 # ---- the `ember serve` process -----------------------------------------------------------
@@ -195,7 +228,9 @@ def run_server(ns: argparse.Namespace) -> int:
     api_key = ns.api_key or envs.api_key()
     engine = AsyncLLM.from_engine_args(args)
     names = served_names(ns, args)
-    server = make_server(build_app(engine, names, api_key=api_key, limits=limits_from(ns)), ns)
+    app = build_app(engine, names, api_key=api_key, limits=limits_from(ns),
+                    trust_request_chat_template=ns.trust_request_chat_template)
+    server = make_server(app, ns)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", names[0], ns.host, ns.port)
     try:
         server.run()

@@ -94,7 +94,8 @@ def run_api_server_process(ns: argparse.Namespace, args: EngineArgs, address: Co
     _exit_with_parent()
     engine = AsyncLLM(args, attach=address, client_index=index)
     app = build_app(engine, served_names(ns, args), api_key=ns.api_key or envs.api_key(),
-                    limits=limits_from(ns))
+                    limits=limits_from(ns),
+                    trust_request_chat_template=ns.trust_request_chat_template)
     server = make_server(app, ns)
     try:
         server.run(sockets=[listener])

@@ -18,11 +18,20 @@ from ember.outputs import Logprob
 _FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
+class AsTokenIds:
+    """Pass as `decode` for vLLM's return_tokens_as_token_ids: tokens named "token_id:<id>"."""
+
+
+AS_TOKEN_IDS = AsTokenIds()
+
+
 def _value(lp: float) -> float:
     return lp if lp > _FLOOR else _FLOOR
 
 
 def _token_str(lp: Logprob | None, token_id: int, decode) -> str:
+    if decode is AS_TOKEN_IDS:
+        return f"token_id:{token_id}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return decode([token_id]) if decode is not None else f"token_id:{token_id}"
@@ -56,6 +65,17 @@ def append_completion_logprobs(
             top.setdefault(_token_str(lp, tok_id, decode), _value(lp.logprob))
         out.top_logprobs.append(top)
     return offset
+
+
+def prompt_logprobs_json(entries) -> list | None:
+    """RequestOutput.prompt_logprobs in vLLM's response shape: per prompt token None or
+    {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {tid: {"logprob": _value(lp.logprob), "rank": lp.rank,
+                   "decoded_token": lp.decoded_token} for tid, lp in entry.items()}
+            for entry in entries]
 
 
 def _bytes(token: str) -> list[int]:

@@ -1,9 +1,10 @@
 """Pydantic models of the OpenAI API that ember serves (requests, responses, stream chunks).
 
 Field names, defaults and shapes follow OpenAI's API so the official `openai` client works
-unchanged; vLLM's sampling extras (top_k, min_p, repetition_penalty, ...) ride along. Bounds that
-protect the engine (finite floats, n <= 128, logprobs <= 20, 64-bit seeds) live here, so a bad
-value is a 400 before it reaches the engine thread.
+unchanged; vLLM's extra request fields (top_k, min_p, repetition_penalty, guided_*, priority, ...)
+ride along with vLLM's names. A request field this server does not know is a 400 naming it, never
+silently ignored. Bounds that protect the engine (finite floats, n <= 128, logprobs <= 20, 64-bit
+seeds) live here, so a bad value is a 400 before it reaches the engine.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ class OpenAIModel(BaseModel):
 
 class OpenAIRequest(OpenAIModel):
     """What clients send. Strict types, as OpenAI's schema: "3" is not an integer, "yes" and 1
-    are not booleans, true is not a token id (an int may still stand for a float)."""
+    are not booleans, true is not a token id (an int may still stand for a float). Unknown fields
+    are refused: a parameter that would have no effect must say so."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 # ---- errors and shared pieces ------------------------------------------------------------
@@ -48,12 +50,18 @@ class ErrorResponse(OpenAIModel):
 
 class StreamOptions(OpenAIRequest):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage on every chunk
+
+
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ModelCard(OpenAIModel):
@@ -96,6 +104,24 @@ class SamplingExtras(OpenAIRequest):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     request_id: str | None = Field(default=None, max_length=256)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    prompt_logprobs: int | None = Field(default=None, ge=-1, le=MAX_LOGPROBS)
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+    cache_salt: str | None = Field(default=None, min_length=1)
+    return_tokens_as_token_ids: bool = False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    vllm_xargs: dict[str, Any] | None = None  # -> SamplingParams.extra_args (logits processors)
+    # Structured outputs (vLLM's current field, and the older guided_* ones)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 # ---- /v1/completions ---------------------------------------------------------------------
@@ -116,12 +142,23 @@ class CompletionLogProbs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: PromptLogprob}.
+PromptLogprobsList = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -145,6 +182,9 @@ class ChatMessage(OpenAIRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # Earlier turns of a tool-using conversation, passed to the chat template as given.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingExtras):
@@ -156,11 +196,15 @@ class ChatCompletionRequest(SamplingExtras):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     echo: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TopLogprob(OpenAIModel):
@@ -198,6 +242,7 @@ class ChatCompletionResponse(OpenAIModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class DeltaMessage(OpenAIModel):

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ember.engine.errors import EngineDeadError
 from ember.entrypoints.openai.errors import OpenAIError, error_body
-from ember.entrypoints.openai.logprobs import chat_logprobs
+from ember.entrypoints.openai.logprobs import AS_TOKEN_IDS, chat_logprobs, prompt_logprobs_json
 from ember.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -24,6 +24,7 @@ from ember.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    PromptTokensDetails,
     UsageInfo,
     random_id,
 )
@@ -31,9 +32,14 @@ from ember.entrypoints.openai.serving_common import (
     SSE_DONE,
     EventStreamResponse,
     ServingContext,
+    beam_search_params,
+    check_priority,
     check_stream_options,
+    continuous_usage,
+    engine_prompt,
     sampling_params,
     sse,
+    truncate_prompt,
     until_disconnect,
 )
 from ember.outputs import RequestOutput
@@ -41,10 +47,16 @@ from ember.outputs import RequestOutput
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
     if req.tools:
-        raise OpenAIError("tools are not supported by this server", 400, param="tools")
+        raise OpenAIError("tools are not supported by this server yet", 400, param="tools")
+    if req.tool_choice not in (None, "none"):
+        raise OpenAIError("tool_choice needs tools, which this server does not support yet",
+                          400, param="tool_choice")
+    if req.parallel_tool_calls is not None:
+        raise OpenAIError("parallel_tool_calls needs tools, which this server does not "
+                          "support yet", 400, param="parallel_tool_calls")
     fmt = (req.response_format or {}).get("type", "text")
     if fmt != "text":
-        raise OpenAIError(f"response_format {fmt!r} is not supported (only 'text')", 400,
+        raise OpenAIError(f"response_format {fmt!r} is not supported yet (only 'text')", 400,
                           param="response_format")
     if req.top_logprobs and not req.logprobs:
         raise OpenAIError("top_logprobs needs logprobs=true", 400, param="top_logprobs")
@@ -57,19 +69,29 @@ async def create_chat_completion(
     await ctx.engine.check_health()  # a dead engine is a 503, even for streams
     _check_unsupported(req)
     include_usage = check_stream_options(req)
+    check_priority(req, ctx)
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:  # vLLM hands it to the template (gpt-oss reads it)
+        template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     ids = await ctx.apply_chat_template(req.messages, req.add_generation_prompt,
-                                  req.continue_final_message)
-    ctx.check_tokens(ids, param="messages")
+                                        req.continue_final_message, req.chat_template,
+                                        template_kwargs)
+    ids = truncate_prompt(ctx.check_tokens(ids, param="messages"), req, ctx)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else (
         req.max_tokens)
     max_tokens = ctx.check_length(len(ids), requested, "messages")
     num_top = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, ctx, max_tokens, num_top)
     request_id = req.request_id or random_id("chatcmpl")
     # The engine's id is ours alone: a client's request_id names only its response, so two
     # clients (or a chat and a completion) sending the same one never collide.
-    gen = ctx.engine.generate({"prompt_token_ids": ids}, params, random_id("chat-engine"),
-                              time.time())
+    engine_id = random_id("chat-engine")
+    if req.use_beam_search:
+        gen = ctx.engine.beam_search(engine_prompt(ids, None, req), engine_id,
+                                     beam_search_params(req, max_tokens))
+    else:
+        params = sampling_params(req, ctx, max_tokens, num_top)
+        gen = ctx.engine.generate(engine_prompt(ids, None, req), params, engine_id, time.time(),
+                                  priority=req.priority)
     if req.stream:
         return EventStreamResponse(_stream(req, ctx, model, request_id, gen, include_usage), ctx,
                                    request_id)
@@ -101,25 +123,42 @@ async def _full(req, ctx: ServingContext, model: str, request_id: str, gen):
         completion_tokens += len(c.token_ids)
         lp = None
         if req.logprobs:
-            lp = chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0, ctx.decode)
+            lp = chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0,
+                               _decoder(req, ctx))
         message = ChatResponseMessage(content=_echo_prefix(req) + c.text)
         choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     prompt_tokens = len(final.prompt_token_ids)
     usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                      total_tokens=prompt_tokens + completion_tokens)
-    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+                      total_tokens=prompt_tokens + completion_tokens,
+                      prompt_tokens_details=PromptTokensDetails(
+                          cached_tokens=max(final.num_cached_tokens, 0)))
+    prompt_lps = (prompt_logprobs_json(final.prompt_logprobs)
+                  if req.prompt_logprobs is not None else None)
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
+                                  prompt_logprobs=prompt_lps)
+
+
+def _decoder(req: ChatCompletionRequest, ctx: ServingContext):
+    return AS_TOKEN_IDS if req.return_tokens_as_token_ids else ctx.decode
 
 
 async def _stream(
     req, ctx: ServingContext, model: str, request_id: str, gen, include_usage: bool
 ) -> AsyncIterator[str]:
     created = int(time.time())
+    continuous = continuous_usage(req)
+    prompt_tokens = [0]
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        if usage is None and continuous:
+            generated = sum(sent_tokens)
+            usage = UsageInfo(prompt_tokens=prompt_tokens[0], completion_tokens=generated,
+                              total_tokens=prompt_tokens[0] + generated)
         return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
                                                 choices=choices, usage=usage))
 
+    decode = _decoder(req, ctx)
     sent_text = [0] * req.n
     sent_tokens = [0] * req.n
     finished = [False] * req.n
@@ -131,6 +170,7 @@ async def _stream(
     try:
         async for out in gen:
             final = out
+            prompt_tokens[0] = len(out.prompt_token_ids)
             choices = []
             for c in out.outputs:
                 k = c.index
@@ -143,7 +183,7 @@ async def _stream(
                 lp = None
                 if req.logprobs:
                     entries = (c.logprobs or [])[sent_tokens[k]:len(c.token_ids)]
-                    lp = chat_logprobs(new_ids, entries, req.top_logprobs or 0, ctx.decode)
+                    lp = chat_logprobs(new_ids, entries, req.top_logprobs or 0, decode)
                 sent_text[k], sent_tokens[k] = len(c.text), len(c.token_ids)
                 finished[k] = c.finish_reason is not None
                 choices.append(ChatStreamChoice(index=k, delta=DeltaMessage(content=delta),

@@ -39,7 +39,8 @@ _NORMALIZER_SLACK = 2
 class ServingContext:
     """The engine plus what every handler needs to know about the served model."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
@@ -51,6 +52,8 @@ class ServingContext:
         self._thread_tokenizer = copy.deepcopy(engine.tokenizer)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-tokenizer")
         self.max_text_chars = _max_text_chars(engine.tokenizer, self.max_model_len)
+        self.default_sampling = dict(getattr(engine.model_config, "default_sampling", {}))
+        self.trust_request_chat_template = trust_request_chat_template
         # Set when the server's shutdown grace period is over: in-flight requests end now.
         self.abort_in_flight = asyncio.Event()
 
@@ -120,7 +123,21 @@ class ServingContext:
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
+        """Token ids of the rendered conversation. `chat_template` replaces the tokenizer's
+        (only with --trust-request-chat-template); `template_kwargs` reach the template as
+        variables (vLLM's chat_template_kwargs, e.g. enable_thinking)."""
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise OpenAIError("chat_template in a request needs the server started with "
+                              "--trust-request-chat-template", 400, param="chat_template")
+        kwargs = dict(template_kwargs or {})
+        reserved = {"conversation", "tokenize", "add_generation_prompt", "chat_template",
+                    "continue_final_message", "messages"} & set(kwargs)
+        if reserved:
+            raise OpenAIError(f"chat_template_kwargs may not set {sorted(reserved)}", 400,
+                              param="chat_template_kwargs")
         tokenizer = self._worker_tokenizer()
         conversation = [_message_dict(m) for m in messages]
         self.check_text_length(sum(len(m["content"]) for m in conversation), "messages")
@@ -130,7 +147,9 @@ class ServingContext:
                 conversation,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
+                chat_template=chat_template,
                 tokenize=True,
+                **kwargs,
             )
 
         try:
@@ -151,7 +170,9 @@ class ServingContext:
                 400, param=param, code="context_length_exceeded",
             )
         if max_tokens is None:
-            return self.max_model_len - prompt_len
+            # Up to the context, or the model's generation_config max_new_tokens if smaller.
+            return min(self.max_model_len - prompt_len,
+                       self.default_sampling.get("max_tokens") or self.max_model_len)
         if prompt_len + max_tokens > self.max_model_len:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
@@ -199,9 +220,18 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
             texts.append(part.text)
         content = "\n".join(texts)
     out: dict[str, Any] = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        out["name"] = message.name
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(message, key) is not None:
+            out[key] = getattr(message, key)
     return out
+
+
+# Sampling fields the model's generation_config.json may give defaults for (vLLM's
+# generation_config="auto"): used when the request leaves them out.
+_MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Fields refused until what they need exists, with why.
+_STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")
 
 
 def sampling_params(
@@ -212,25 +242,30 @@ def sampling_params(
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams of a request; its ValueErrors become 400s naming the field."""
-    if req.logit_bias:
-        raise OpenAIError("logit_bias is not supported", 400, param="logit_bias")
-    stop_ids = list(req.stop_token_ids or [])
-    if any(not 0 <= t < ctx.vocab_size for t in stop_ids):
-        raise OpenAIError(
-            f"stop_token_ids must be in [0, {ctx.vocab_size})", 400, param="stop_token_ids"
-        )
+    check_token_ids(req.stop_token_ids, ctx, "stop_token_ids")
+    check_token_ids(req.allowed_token_ids, ctx, "allowed_token_ids")
+    check_structured_outputs(req)
+    defaults = ctx.default_sampling
+    chosen = {name: getattr(req, name) for name in _MODEL_DEFAULTS}
+    for name, value in chosen.items():
+        if value is None and name in defaults:
+            chosen[name] = defaults[name]
+    if req.prompt_logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, req.prompt_logprobs) if (
+            req.prompt_logprobs >= 0) else -1
     kwargs: dict[str, Any] = dict(
         n=req.n,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if chosen["repetition_penalty"] is None else (
+            chosen["repetition_penalty"]),
+        temperature=1.0 if chosen["temperature"] is None else chosen["temperature"],
+        top_p=1.0 if chosen["top_p"] is None else chosen["top_p"],
+        top_k=chosen["top_k"] or 0,
+        min_p=chosen["min_p"] or 0.0,
         seed=req.seed,
         stop=req.stop,
-        stop_token_ids=stop_ids,
+        stop_token_ids=list(req.stop_token_ids or []),
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos,
@@ -239,12 +274,96 @@ def sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
+        logit_bias=_logit_bias(req.logit_bias, ctx),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
+        extra_args=req.vllm_xargs,
     )
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         param = str(exc).split(" ", 1)[0].removeprefix("SamplingParams.")
+        param = {"extra_args": "vllm_xargs"}.get(param, param)
         raise OpenAIError(str(exc), 400, param=param if param.isidentifier() else None) from exc
+
+
+def check_token_ids(ids: list[int] | None, ctx: ServingContext, param: str) -> None:
+    if ids is not None and any(not 0 <= t < ctx.vocab_size for t in ids):
+        raise OpenAIError(f"{param} must be token ids in [0, {ctx.vocab_size})", 400,
+                          param=param)
+
+
+def _logit_bias(bias: dict[str, float] | None, ctx: ServingContext) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings -> bias in [-100, 100]) as SamplingParams takes it."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < ctx.vocab_size:
+            raise OpenAIError(f"logit_bias keys must be token ids in [0, {ctx.vocab_size}), "
+                              f"got {key[:32]!r}", 400, param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise OpenAIError(f"logit_bias values must be in [-100, 100], got {value}", 400,
+                              param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def check_structured_outputs(req: SamplingExtras) -> None:
+    for name in _STRUCTURED_FIELDS:
+        if getattr(req, name) is not None:
+            raise OpenAIError(f"{name} is not supported yet: this server has no structured-"
+                              "output engine", 400, param=name)
+
+
+def check_priority(req: SamplingExtras, ctx: ServingContext) -> None:
+    try:
+        ctx.engine.processor.check_priority(req.priority)
+    except ValueError as exc:
+        raise OpenAIError(str(exc), 400, param="priority") from None
+
+
+def truncate_prompt(ids: list[int], req: SamplingExtras, ctx: ServingContext) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last k tokens (-1: the context length)."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == 0:
+        raise OpenAIError("truncate_prompt_tokens must be >= 1 or -1", 400,
+                          param="truncate_prompt_tokens")
+    keep = ctx.max_model_len if k == -1 else k
+    if keep > ctx.max_model_len:
+        raise OpenAIError(f"truncate_prompt_tokens={k} exceeds the maximum context length "
+                          f"{ctx.max_model_len}", 400, param="truncate_prompt_tokens")
+    return ids[-keep:]
+
+
+def engine_prompt(ids: list[int], text: str | None, req: SamplingExtras) -> dict[str, Any]:
+    prompt: dict[str, Any] = {"prompt_token_ids": ids}
+    if text is not None:
+        prompt["prompt"] = text
+    if req.cache_salt is not None:
+        prompt["cache_salt"] = req.cache_salt
+    return prompt
+
+
+def beam_search_params(req: SamplingExtras, max_tokens: int):
+    """vLLM's use_beam_search: n beams (best_of on completions), scored with length_penalty."""
+    from ember.beam_search import BeamSearchParams
+
+    for name in ("logprobs", "prompt_logprobs", "stop", "logit_bias", "allowed_token_ids",
+                 "bad_words", "vllm_xargs"):
+        value = getattr(req, name, None)
+        if value not in (None, False, [], {}):
+            raise OpenAIError(f"{name} cannot be combined with use_beam_search", 400,
+                              param=name)
+    try:
+        return BeamSearchParams(
+            beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+            temperature=req.temperature or 0.0, length_penalty=req.length_penalty,
+            include_stop_str_in_output=req.include_stop_str_in_output)
+    except ValueError as exc:
+        raise OpenAIError(str(exc), 400, param="use_beam_search") from None
 
 
 def check_stream_options(req: SamplingExtras) -> bool:
@@ -253,6 +372,11 @@ def check_stream_options(req: SamplingExtras) -> bool:
         raise OpenAIError("stream_options is only allowed when stream is true", 400,
                           param="stream_options")
     return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+def continuous_usage(req: SamplingExtras) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: usage so far on every chunk."""
+    return bool(req.stream and req.stream_options and req.stream_options.continuous_usage_stats)
 
 
 async def merge_generators(
