@@ -75,7 +75,7 @@ async def create_chat_completion(
         template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     ids = await ctx.apply_chat_template(req.messages, req.add_generation_prompt,
                                         req.continue_final_message, req.chat_template,
-                                        template_kwargs)
+                                        template_kwargs, req.add_special_tokens)
     ids = truncate_prompt(ctx.check_tokens(ids, param="messages"), req, ctx)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else (
         req.max_tokens)

@@ -125,10 +125,12 @@ class ServingContext:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Token ids of the rendered conversation. `chat_template` replaces the tokenizer's
         (only with --trust-request-chat-template); `template_kwargs` reach the template as
-        variables (vLLM's chat_template_kwargs, e.g. enable_thinking)."""
+        variables (vLLM's chat_template_kwargs, e.g. enable_thinking); `add_special_tokens`
+        adds the tokenizer's special tokens (a BOS) on top of what the template writes."""
         if chat_template is not None and not self.trust_request_chat_template:
             raise OpenAIError("chat_template in a request needs the server started with "
                               "--trust-request-chat-template", 400, param="chat_template")
@@ -143,14 +145,17 @@ class ServingContext:
         self.check_text_length(sum(len(m["content"]) for m in conversation), "messages")
 
         def render() -> Any:
-            return tokenizer.apply_chat_template(
+            rendered = tokenizer.apply_chat_template(
                 conversation,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
-                tokenize=True,
+                tokenize=not add_special_tokens,
                 **kwargs,
             )
+            if add_special_tokens:
+                return tokenizer.encode(rendered, add_special_tokens=True)
+            return rendered
 
         try:
             ids = await self._in_tokenizer_thread(render)
@@ -245,6 +250,9 @@ def sampling_params(
     check_token_ids(req.stop_token_ids, ctx, "stop_token_ids")
     check_token_ids(req.allowed_token_ids, ctx, "allowed_token_ids")
     check_structured_outputs(req)
+    if req.length_penalty != 1.0:
+        raise OpenAIError("length_penalty applies only with use_beam_search", 400,
+                          param="length_penalty")
     defaults = ctx.default_sampling
     chosen = {name: getattr(req, name) for name in _MODEL_DEFAULTS}
     for name, value in chosen.items():
