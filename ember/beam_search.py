@@ -208,7 +208,9 @@ def beam_search_offline(llm: LLM, prompts: PromptType | Sequence[PromptType],
     group = concurrency_limit or max(1, len(instances))
     step_params = step_sampling_params(params)
     bar = None
-    if use_tqdm:
+    from ember import envs
+
+    if use_tqdm and not envs.disable_progress_bars():
         from tqdm.auto import tqdm
 
         bar = tqdm(total=params.max_tokens * -(-len(instances) // group), desc="Beam search",

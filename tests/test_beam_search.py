@@ -220,6 +220,7 @@ def test_same_as_hf_with_eos_where_the_rules_agree(models):
                 assert [c / len(t) ** lp for t, c, _ in ours] == pytest.approx(hf_scores, abs=1e-4)
                 compared += 1
                 compared_eos += any(t[-1] == eos for t, _, _ in ours)
+    print("compared", compared, "with eos", compared_eos)
     assert compared_eos >= 1 and compared >= 8, (compared, compared_eos)
 
 
