@@ -94,7 +94,7 @@ def get_beam_search_score(tokens: Sequence[int], cumulative_logprob: float,
                           length_penalty: float = 1.0) -> float:
     """vLLM's score: cumulative logprob over (prompt + generated tokens, less a final eos)
     to the power length_penalty."""
-    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    eos = (eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id or ()
     seq_len = len(tokens) - (1 if tokens and tokens[-1] in eos else 0)
     return cumulative_logprob / (seq_len ** length_penalty)
 
@@ -152,10 +152,10 @@ class BeamSearchInstance:
         best = best[: self.params.beam_width]
         if tokenizer is not None:
             for beam in best:
-                beam.text = tokenizer.decode(self._visible(beam.tokens, beam))
+                beam.text = tokenizer.decode(self.visible_tokens(beam.tokens, beam))
         return BeamSearchOutput(best)
 
-    def _visible(self, tokens: list[int], beam: BeamSearchSequence) -> list[int]:
+    def visible_tokens(self, tokens: list[int], beam: BeamSearchSequence) -> list[int]:
         """Tokens as output: the final eos only with include_stop_str_in_output."""
         if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output:
             return tokens[:-1]
@@ -244,7 +244,7 @@ def to_request_output(request_id: str, prompt_text: str | None, instance: BeamSe
     with the generated tokens only (vLLM's EngineClient.beam_search)."""
     outs = []
     for i, beam in enumerate(output.sequences):
-        token_ids = instance._visible(beam.tokens[instance.prompt_len:], beam)
+        token_ids = instance.visible_tokens(beam.tokens[instance.prompt_len:], beam)
         text = tokenizer.decode(token_ids) if tokenizer is not None else ""
         outs.append(CompletionOutput(
             index=i, text=text, token_ids=token_ids, cumulative_logprob=beam.cum_logprob,

@@ -250,6 +250,30 @@ def test_batched_steps_and_concurrency_limit(models, monkeypatch):
     assert_all_blocks_free(llm)
 
 
+def test_steps_reuse_the_prompts_cached_blocks(models, monkeypatch):
+    """After the first step every beam's request finds the prompt's full blocks (and those it
+    shares with earlier steps) in the prefix cache: a step recomputes under a block per beam."""
+    _, m = models
+    _, llm, _, _ = m["plain"]
+    prompt = [3 + (i * 7) % 300 for i in range(40)]  # two full 16-token blocks
+    cached: list[list[int]] = []
+    generate = llm.generate
+
+    def recording(batch, *args, **kw):
+        outs = generate(batch, *args, **kw)
+        cached.append([o.num_cached_tokens for o in outs])
+        return outs
+
+    monkeypatch.setattr(llm, "generate", recording)
+    llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=12))
+    # A beam of L tokens extends its parent, whose request computed the first L - 1: each
+    # finds all of the parent's full blocks.
+    assert cached[0] == [0]
+    for step, per_beam in enumerate(cached[1:], start=1):
+        assert per_beam == [(len(prompt) + step - 1) // 16 * 16] * 2, (step, per_beam)
+    assert_all_blocks_free(llm)
+
+
 def test_max_model_len_ends_beams(models):
     _, m = models
     _, llm, _, _ = m["plain"]
