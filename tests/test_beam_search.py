@@ -325,15 +325,45 @@ def test_bad_requests_are_refused_before_the_engine(models):
     assert_all_blocks_free(llm)
 
 
-def test_temperature_adds_the_sampled_token(models):
-    """temperature > 0: the engine's sampled token joins each beam's candidates (vLLM's), so the
-    search still runs and ends idle; at 0 the result is the greedy one."""
+def test_temperature_adds_the_sampled_token(models, monkeypatch):
+    """temperature > 0: the engine's sampled token joins each beam's 2k candidates (vLLM's);
+    at 0 the sampled token is the best one, so there are exactly 2k."""
     _, m = models
     _, llm, _, _ = m["plain"]
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
-    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=4, temperature=1.5))
+    sizes: list[int] = []
+    generate = llm.generate
+
+    def recording(batch, *args, **kw):
+        outs = generate(batch, *args, **kw)
+        sizes.extend(len(o.outputs[0].logprobs[0]) for o in outs)
+        return outs
+
+    monkeypatch.setattr(llm, "generate", recording)
+    llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=4))
+    assert set(sizes) == {4}
+    sizes.clear()
+    # Near-uniform sampling over 320 tokens: ~22 draws all in the top 4 has odds ~1e-40.
+    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=4, temperature=100.0))
+    assert set(sizes) <= {4, 5} and 5 in sizes
     assert all(len(o.sequences) == 2 for o in outs)
     assert_all_blocks_free(llm)
+
+
+def test_every_field_is_tested():
+    """Each BeamSearchParams field has its effect shown (or its refusal) by a test here."""
+    import dataclasses
+
+    shown_by = {
+        "beam_width": test_same_beams_and_scores_as_hf_without_eos,
+        "max_tokens": test_max_model_len_ends_beams,
+        "ignore_eos": test_same_beams_and_scores_as_hf_without_eos,
+        "temperature": test_temperature_adds_the_sampled_token,
+        "length_penalty": test_vllm_rules_with_eos,
+        "include_stop_str_in_output": test_eos_text_and_request_output,
+        "structured_outputs": test_bad_params_name_the_field,
+    }
+    assert {f.name for f in dataclasses.fields(BeamSearchParams)} == set(shown_by)
 
 
 # ---- eos handling without a model: fake engine outputs and tokenizer --------------------------
