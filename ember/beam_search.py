@@ -267,11 +267,19 @@ async def beam_search_async(engine: AsyncLLM, prompt: PromptType, request_id: st
     step_params = step_sampling_params(params)
     step = 0
     while prompts := instance.step_prompts():
-        async with asyncio.TaskGroup() as group:  # one failure cancels (aborts) the others
-            tasks = [group.create_task(_final(engine, p, f"{request_id}-beam{step}-{i}",
+        tasks = [asyncio.ensure_future(_final(engine, p, f"{request_id}-beam{step}-{i}",
                                               step_params))
-                     for i, p in enumerate(prompts)]
-        instance.advance([t.result() for t in tasks])
+                 for i, p in enumerate(prompts)]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            # A failed beam (or our caller leaving) ends the others: their generators abort
+            # their requests; the first error is raised as itself (the server maps it).
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        instance.advance(results)
         step += 1
     output = instance.result(tokenizer)
     yield to_request_output(request_id, text, instance, output, tokenizer)

@@ -27,7 +27,7 @@ import torch
 from conftest import assert_all_blocks_free, assert_all_blocks_free_async
 from model_factory import make_tiny_hf_model
 
-from ember import LLM, EngineArgs
+from ember import LLM, EngineArgs, SamplingParams
 from ember.beam_search import (
     BeamSearchInstance,
     BeamSearchParams,
@@ -304,8 +304,6 @@ def test_bad_params_name_the_field(field, kw):
 
 
 def test_bad_requests_are_refused_before_the_engine(models):
-    from ember import SamplingParams
-
     _, m = models
     _, llm, _, _ = m["plain"]
     good = {"prompt_token_ids": [5, 6, 7]}
@@ -414,6 +412,10 @@ def test_ignore_eos_keeps_eos_beams_alive():
 
 # ---- AsyncLLM ------------------------------------------------------------------------------------
 
+async def _drain(gen):
+    return [item async for item in gen]
+
+
 def test_async_beam_search_matches_offline(models):
     from ember.engine.async_llm import AsyncLLM
 
@@ -438,6 +440,17 @@ def test_async_beam_search_matches_offline(models):
         assert task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        await asyncio.sleep(0.1)
+        await assert_all_blocks_free_async(engine)
+        # A failing step request (its id is taken) fails the search with its own error and
+        # aborts the step's other beams.
+        blocker = asyncio.ensure_future(_drain(engine.generate(
+            {"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=40, ignore_eos=True),
+            "dup-beam1-1")))
+        with pytest.raises(ValueError, match="already in use"):
+            await _drain(engine.beam_search({"prompt_token_ids": prompts[1]}, "dup", params))
+        blocker.cancel()
+        await asyncio.gather(blocker, return_exceptions=True)
         await asyncio.sleep(0.1)
         await assert_all_blocks_free_async(engine)
         return results
