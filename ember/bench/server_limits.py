@@ -6,7 +6,8 @@ requests on a fresh connection each) in three phases, with the server's resident
 own process and the engine core's) before and after:
 
     idle          nothing else going on (the baseline)
-    big-body      while another client keeps sending 50 MB bodies to /v1/completions
+    big-body      while another client keeps sending 50 MB prompts (valid JSON) to
+                  /v1/completions
     long-prompt   while another client keeps sending the longest prompt text the server still
                   tokenizes (too long for the context once tokenized: a 400 after tokenizing)
     idle-conns    while 5,000 connections are held open without a request (re-opened as the
@@ -108,7 +109,9 @@ def _answers(sends: list) -> dict:
 
 
 def _send_big_bodies(port: int, size: int, stop: threading.Event, results: list) -> None:
-    block = b'{"prompt": "' + b"a" * (1 << 20)
+    # Valid JSON of exactly `size` bytes: a server without a body limit parses and tokenizes it.
+    head, tail = b'{"prompt": "', b'", "max_tokens": 1}'
+    filler = b"hello " * ((1 << 20) // 6)
     while not stop.is_set():
         start = time.perf_counter()
         status = None
@@ -116,12 +119,14 @@ def _send_big_bodies(port: int, size: int, stop: threading.Event, results: list)
             with socket.create_connection(("127.0.0.1", port), timeout=300) as sock:
                 sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                              b"application/json\r\nContent-Length: %d\r\n\r\n" % size)
-                sent = 0
+                sock.sendall(head)
+                sent, body_end = len(head), size - len(tail)
                 try:
-                    while sent < size and not stop.is_set():
-                        chunk = block[: min(len(block), size - sent)]
+                    while sent < body_end and not stop.is_set():
+                        chunk = filler[: min(len(filler), body_end - sent)]
                         sock.sendall(chunk)
                         sent += len(chunk)
+                    sock.sendall(tail)
                 except OSError:
                     pass  # refused early: the server closed while we were still sending
                 sock.settimeout(300)
