@@ -7,6 +7,7 @@ throughput|serve``) and, for the GPU kernels and engine internals, modules run a
     decode_latency      decode attention per layer at small batch and short context
     small_batch_linear  the small-batch linear kernel against cuBLAS per projection shape
     profile_steps       device time per kernel and host time per engine step
+    server_limits       /health latency and memory while hostile clients attack the server
 
 Helpers: ``workloads`` (synthetic prompts), ``roofline`` (limits from ceilings), ``timing``
 (graph replay and do_bench timing), ``provenance``, ``hf_weights``.
