@@ -95,6 +95,26 @@ def ember_register_grammar_backends(registry, api_version):  # type: ignore[no-u
     """
 
 
+@hookspec
+def ember_register_tool_parsers(registry, api_version):  # type: ignore[no-untyped-def]
+    """Register tool-call parsers: ``registry.register_tool_parser(name, "mod:Cls")``.
+
+    `registry` is ember.registry.ToolParserRegistry; the class subclasses
+    ember.tool_parsers.ToolParser, and a server uses it with ``--tool-call-parser NAME``.
+    Added in plugin API v1 without a version bump.
+    """
+
+
+@hookspec
+def ember_register_reasoning_parsers(registry, api_version):  # type: ignore[no-untyped-def]
+    """Register reasoning parsers: ``registry.register_reasoning_parser(name, "mod:Cls")``.
+
+    `registry` is ember.registry.ReasoningParserRegistry; the class subclasses
+    ember.reasoning.ReasoningParser, and a server uses it with ``--reasoning-parser NAME``.
+    Added in plugin API v1 without a version bump.
+    """
+
+
 # Hook name -> registry key in ember.registry.REGISTRIES, in the order hooks are called.
 HOOKS: dict[str, str] = {
     "ember_register_platforms": "platforms",
@@ -104,4 +124,6 @@ HOOKS: dict[str, str] = {
     "ember_register_executors": "executors",
     "ember_register_logits_processors": "logits_processors",
     "ember_register_grammar_backends": "grammar_backends",
+    "ember_register_tool_parsers": "tool_parsers",
+    "ember_register_reasoning_parsers": "reasoning_parsers",
 }

@@ -1,6 +1,6 @@
 """The registries (models, attention backends, quantization methods, platforms, executors,
-logits processors, grammar backends), their built-in entries, and the snapshot/restore hand-off
-to worker processes.
+logits processors, grammar backends, tool-call parsers, reasoning parsers), their built-in
+entries, and the snapshot/restore hand-off to worker processes.
 
 Importing this package imports no model, backend, platform, executor or plugin code, and it
 imports nothing of ember.plugins: the plugin loader registers into ember.registry.hooks (when
@@ -173,6 +173,30 @@ class GrammarBackendRegistryType(LazyRegistry[type]):
         return self.names()
 
 
+class ToolParserRegistryType(LazyRegistry[type]):
+    """Tool-call parser name (vLLM's ``--tool-call-parser`` values) ->
+    ember.tool_parsers.ToolParser subclass: `hermes`, `llama3_json`, `mistral` built in."""
+
+    def register_tool_parser(self, name: str, parser_cls: str | type, *, override: bool = False,
+                             **capabilities: Any) -> Entry:
+        return self.register(name, parser_cls, capabilities=capabilities, override=override)
+
+    def get_supported_tool_parsers(self) -> list[str]:
+        return self.names()
+
+
+class ReasoningParserRegistryType(LazyRegistry[type]):
+    """Reasoning parser name (vLLM's ``--reasoning-parser`` values) ->
+    ember.reasoning.ReasoningParser subclass: `qwen3`, `deepseek_r1` built in."""
+
+    def register_reasoning_parser(self, name: str, parser_cls: str | type, *,
+                                  override: bool = False, **capabilities: Any) -> Entry:
+        return self.register(name, parser_cls, capabilities=capabilities, override=override)
+
+    def get_supported_reasoning_parsers(self) -> list[str]:
+        return self.names()
+
+
 ModelRegistry = ModelRegistryType("model architecture")
 AttentionBackendRegistry = AttentionBackendRegistryType("attention backend")
 QuantizationRegistry = QuantizationRegistryType("quantization method")
@@ -180,6 +204,8 @@ PlatformRegistry = PlatformRegistryType("platform")
 ExecutorRegistry = ExecutorRegistryType("executor")
 LogitsProcessorRegistry = LogitsProcessorRegistryType("logits processor")
 GrammarBackendRegistry = GrammarBackendRegistryType("grammar backend")
+ToolParserRegistry = ToolParserRegistryType("tool-call parser")
+ReasoningParserRegistry = ReasoningParserRegistryType("reasoning parser")
 
 REGISTRIES: dict[str, LazyRegistry] = {
     "models": ModelRegistry,
@@ -189,6 +215,8 @@ REGISTRIES: dict[str, LazyRegistry] = {
     "executors": ExecutorRegistry,
     "logits_processors": LogitsProcessorRegistry,
     "grammar_backends": GrammarBackendRegistry,
+    "tool_parsers": ToolParserRegistry,
+    "reasoning_parsers": ReasoningParserRegistry,
 }
 
 _BUILTIN_MODELS = {
@@ -253,9 +281,22 @@ for _name, _target in _BUILTIN_EXECUTORS.items():
 for _name in _BUILTIN_LOGITS_PROCESSORS:
     LogitsProcessorRegistry.register(
         _name, f"ember.logits_processors.builtin:{_BUILTIN_LOGITS_PROCESSORS[_name]}", owner="ember")
+_BUILTIN_TOOL_PARSERS = {
+    "hermes": "ember.tool_parsers.builtin:HermesToolParser",
+    "llama3_json": "ember.tool_parsers.builtin:Llama3JsonToolParser",
+    "mistral": "ember.tool_parsers.builtin:MistralToolParser",
+}
+_BUILTIN_REASONING_PARSERS = {
+    "qwen3": "ember.reasoning.builtin:Qwen3ReasoningParser",
+    "deepseek_r1": "ember.reasoning.builtin:DeepSeekR1ReasoningParser",
+}
 
 for _name, _target in _BUILTIN_GRAMMAR_BACKENDS.items():
     GrammarBackendRegistry.register(_name, _target, owner="ember")
+for _name, _target in _BUILTIN_TOOL_PARSERS.items():
+    ToolParserRegistry.register(_name, _target, owner="ember")
+for _name, _target in _BUILTIN_REASONING_PARSERS.items():
+    ReasoningParserRegistry.register(_name, _target, owner="ember")
 
 
 def snapshot() -> dict[str, Any]:
@@ -311,6 +352,8 @@ __all__ = [
     "ExecutorRegistry",
     "LogitsProcessorRegistry",
     "GrammarBackendRegistry",
+    "ToolParserRegistry",
+    "ReasoningParserRegistry",
     "REGISTRIES",
     "registering_as",
     "snapshot",
