@@ -99,7 +99,10 @@ class _ObjectScanner:
         self.pos = i
 
     def _top_string(self, token: str) -> None:
-        value = json.loads(token)
+        try:
+            value = json.loads(token)
+        except json.JSONDecodeError as exc:  # a raw control character, a bad escape
+            raise Malformed(f"a bad JSON string: {exc}") from None
         if self.expect == "key":
             if value in self.keys:
                 raise Malformed(f"key {value!r} given twice")
@@ -108,6 +111,8 @@ class _ObjectScanner:
             self.expect = "colon"
         else:  # a string value of a top-level key
             if self.key == "name":
+                if not value:
+                    raise Malformed("an empty name")
                 self.call.name = value
             self.expect = "after"
 
