@@ -91,3 +91,18 @@ def test_import_ember_and_listing_import_no_parser_module():
         print(json.dumps({"before": before, "torch": "torch" in sys.modules}))
     """, EMBER_PLUGINS=""))
     assert out == {"before": [], "torch": False}
+
+
+def test_the_examples_in_plugins_md_work():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text("utf-8")
+    namespace: dict = {}
+    for header in ("# my_plugin/parsers.py", "# my_plugin/reasoning.py"):
+        block = re.search(r"```python\n(" + re.escape(header) + r".*?)```", text, re.S).group(1)
+        exec(compile(block, f"plugins.md:{header}", "exec"), namespace)  # noqa: S102
+    result = namespace["MyCallParser"]().extract_tool_calls(
+        'x<call>{"name": "f", "arguments": {}}</call>')
+    assert result.tools_called and result.content == "x"
+    assert namespace["ReflectParser"]().extract_reasoning("<reflect>r</reflect>a") == ("r", "a")
