@@ -126,16 +126,16 @@ class ToolParser:
                     state.malformed and call.args_end is None):
                 continue
             end = call.args_end if call.args_end is not None else self._scanner.pos
-            args = text[call.args_start:end]
             if index == len(self._ids):
                 self._ids.append(self.make_id())
-                self._sent_args.append(len(args))
+                self._sent_args.append(end - call.args_start)
                 calls.append({"index": index, "id": self._ids[index], "type": "function",
-                              "function": {"name": call.name, "arguments": args}})
-            elif len(args) > self._sent_args[index]:
-                calls.append({"index": index,
-                              "function": {"arguments": args[self._sent_args[index]:]}})
-                self._sent_args[index] = len(args)
+                              "function": {"name": call.name,
+                                           "arguments": text[call.args_start:end]}})
+            elif end - call.args_start > self._sent_args[index]:  # slice only what is new
+                calls.append({"index": index, "function": {
+                    "arguments": text[call.args_start + self._sent_args[index]:end]}})
+                self._sent_args[index] = end - call.args_start
         if calls:
             delta["tool_calls"] = calls
         return delta or None
