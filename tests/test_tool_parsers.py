@@ -18,6 +18,7 @@ from ember.tool_parsers.builtin import (
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
+    NamedToolCallParser,
     RequiredToolCallParser,
 )
 
@@ -246,6 +247,18 @@ def test_required_mode_parser_reads_the_constrained_array():
     result = RequiredToolCallParser().extract_tool_calls(text)
     assert calls_of(result) == [("a", {"x": 1}), ("b", {})] and result.content is None
     check_every_split(RequiredToolCallParser, text)
+
+
+def test_named_function_parser_streams_the_arguments_object():
+    def named():
+        return NamedToolCallParser(name="get_weather")
+
+    text = '\n {"city": "Paris",\n "unit": "c"} \n'
+    result = named().extract_tool_calls(text)
+    assert result.tools_called and result.content is None
+    assert calls_of(result) == [("get_weather", {"city": "Paris", "unit": "c"})]
+    check_every_split(named, text)
+    assert replay(named, "  ", [1]) == (None, [])
 
 
 # --------------------------------------------------------------------------------- registry

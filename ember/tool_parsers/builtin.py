@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import random
 import string
+from typing import Any
 
-from ember.tool_parsers.abstract import ToolParser
+from ember.tool_parsers.abstract import ExtractedToolCalls, ToolParser, tool_call
 from ember.tool_parsers.scanner import CallFormat
 
 
@@ -55,3 +56,41 @@ class RequiredToolCallParser(ToolParser):
 
     call_format = CallFormat(starts_with="[", open="[", sep=",", close="]",
                              arg_keys=("parameters",), repeat=False)
+
+
+class NamedToolCallParser(ToolParser):
+    """Not registered: the output of a request whose tool_choice names a function is that
+    function's arguments object (constrained by ember.tool_parsers.schema.named_tool_call_schema).
+    Whitespace around the object is dropped; streaming sends the id and name with the first
+    piece of the arguments."""
+
+    def __init__(self, tokenizer: Any = None, *, name: str) -> None:
+        super().__init__(tokenizer)
+        self.name = name
+        self._text = ""
+        self._sent = 0
+
+    def extract_tool_calls(self, model_output: str, tools: Any = None) -> ExtractedToolCalls:
+        return ExtractedToolCalls(True, [tool_call(self.name, model_output.strip(),
+                                                   self.make_id())], None)
+
+    def extract_tool_calls_streaming(self, previous_text: str, current_text: str,
+                                     delta_text: str, *args: Any,
+                                     **kwargs: Any) -> dict[str, Any] | None:
+        self._text += delta_text
+        return self._send(len(self._text.rstrip()))  # trailing whitespace waits
+
+    def finish_streaming(self) -> dict[str, Any] | None:
+        return None
+
+    def _send(self, end: int) -> dict[str, Any] | None:
+        start = self._sent if self._ids else len(self._text) - len(self._text.lstrip())
+        if end <= start:
+            return None
+        self._sent = end
+        piece = self._text[start:end]
+        if self._ids:
+            return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+        self._ids.append(self.make_id())
+        return {"tool_calls": [{"index": 0, "id": self._ids[0], "type": "function",
+                                "function": {"name": self.name, "arguments": piece}}]}

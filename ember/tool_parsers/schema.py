@@ -14,7 +14,6 @@ pydantic models. The schemas are new dicts: the request's tools are not modified
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -94,12 +93,15 @@ def tool_call_json_schema(tools: Sequence[Any] | None, tool_choice: Any) -> dict
 
 
 def required_tool_calls(output: str) -> list[dict[str, Any]]:
-    """The calls (OpenAI dicts) in an output constrained by `required_tool_calls_schema`."""
-    items = json.loads(output)
-    if not isinstance(items, list):
-        raise ValueError("expected a JSON array of tool calls")
-    return [tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False),
-                      make_tool_call_id()) for item in items]
+    """The calls (OpenAI dicts) in an output constrained by `required_tool_calls_schema`, with
+    the arguments as written (what RequiredToolCallParser streams). ValueError if it is not a
+    list of calls (an output cut short by max_tokens)."""
+    from ember.tool_parsers.builtin import RequiredToolCallParser
+
+    result = RequiredToolCallParser().extract_tool_calls(output)
+    if not result.tools_called:
+        raise ValueError(f"not a JSON array of tool calls: {output[:200]!r}")
+    return result.tool_calls
 
 
 def named_tool_call(name: str, output: str) -> dict[str, Any]:
