@@ -24,10 +24,11 @@ for part in $PARTS; do
     # Cheapest first, -v so a stage cut by its time limit still shows what passed. FlashInfer
     # JIT-compiles every kernel variant on a fresh machine (~20-40 s each): its grid runs the
     # benchmark head size (128) only unless GRID_FILTER= (empty) is set.
-    tests) stage gpu_tests 330 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --durations=15 \
+    tests) stage gpu_tests 420 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --durations=15 \
              tests/test_layer_kernels.py tests/test_small_batch_linear.py tests/test_pdl.py \
              tests/test_triton_attention.py \
-             tests/test_gpu_engine.py \
+             tests/test_gpu_engine.py tests/test_sampler.py tests/test_logits_processors.py \
+             tests/test_structured_outputs.py tests/test_engine_control.py \
              tests/test_gpu_backend_grid.py --junitxml="$OUT/gpu_tests.xml" \
              -k "${GRID_FILTER-not (flashinfer and d64)}" ;;
     smollm) stage smollm 70 $BENCH --model ember/configs/smollm2-135m --num-prompts 64 \

@@ -100,11 +100,13 @@ _SAMPLING_ON_SERVER = {
     "use_beam_search": ["test_server_params.py::test_beam_search_matches_the_engine"],
     "length_penalty": [REACHES],
     "vllm_xargs": ["test_server_params.py::test_vllm_xargs_names_logits_processors"],
-    **{name: ["test_server_params.py::test_structured_output_fields_are_refused_until_supported"]
+    **{name: ["test_server_params.py::test_structured_outputs_on_completions"]
        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
                     "guided_grammar")},
-    "guided_decoding_backend": [REACHES],
-    "guided_whitespace_pattern": [REACHES],
+    "guided_decoding_backend": [
+        "test_server_params.py::test_bad_constraints_are_400_before_a_stream_starts"],
+    "guided_whitespace_pattern": [
+        "test_server_params.py::test_bad_constraints_are_400_before_a_stream_starts", REACHES],
 }
 SERVER_FIELD_TESTS = {
     "CompletionRequest": {
@@ -122,7 +124,7 @@ SERVER_FIELD_TESTS = {
         "max_completion_tokens": ["test_server.py::test_max_tokens_and_max_completion_tokens"],
         "logprobs": ["test_server.py::test_chat_logprobs"],
         "top_logprobs": ["test_server.py::test_chat_logprobs"],
-        "response_format": ["test_server_params.py::test_tool_fields_without_tools"],
+        "response_format": ["test_server_params.py::test_response_format_on_chat"],
         "tools": ["test_server_errors.py::test_chat_400"],
         "tool_choice": ["test_server_params.py::test_tool_fields_without_tools"],
         "parallel_tool_calls": ["test_server_params.py::test_tool_fields_without_tools"],
@@ -255,8 +257,9 @@ REACH_CASES = [
      lambda p, sp, pr: p["cache_salt"] == "s" and p["prompt_token_ids"] == TOKENS),
     ("c", {"suffix": "tail"}, None),
     ("c", {"length_penalty": 2.0}, None),  # only with use_beam_search
-    ("c", {"guided_decoding_backend": "xgrammar"}, None),
     ("c", {"guided_whitespace_pattern": " "}, None),
+    ("c", {"guided_json": {"type": "object"}, "guided_whitespace_pattern": "[ ]?"},
+     lambda p, sp, pr: sp.structured_outputs.whitespace_pattern == "[ ]?"),
     ("h", {"add_generation_prompt": False},
      lambda p, sp, pr: p["prompt_token_ids"][-1] != _default_chat_ids()[-1]),
     ("h", {"messages": [{"role": "user", "content": "Hi"},

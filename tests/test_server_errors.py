@@ -36,7 +36,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stop_token_ids": [10**9]}, "stop_token_ids"),
     ({"prompt": "x", "seed": 2**70}, "seed"),
-    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"one": 5}}, "logit_bias"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": ""}, "prompt"),
@@ -61,7 +61,7 @@ BAD_CHATS = [
     {"messages": CHAT, "top_logprobs": 2},
     {"messages": CHAT, "logprobs": True, "top_logprobs": 50},
     {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-    {"messages": CHAT, "response_format": {"type": "json_object"}},
+    {"messages": CHAT, "response_format": {"type": "yaml"}},
     {"messages": CHAT, "temperature": "hot"},
 ]
 

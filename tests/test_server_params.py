@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from server_utils import MODEL_NAME, ServerThread, shared_server
@@ -166,12 +168,54 @@ def test_continuous_usage_stats(client):
         c.usage.completion_tokens for c in with_choices)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"), ("guided_choice", ["a"]),
-    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"choice": ["a"]}),
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "age": {"type": "integer", "minimum": 0}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("extra,check", [
+    ({"guided_choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
+    ({"structured_outputs": {"choice": ["red", "blue"]}}, lambda text: text in ("red", "blue")),
+    ({"guided_regex": "[0-9]{3}"}, lambda text: re.fullmatch("[0-9]{3}", text)),
+    ({"guided_json": PERSON}, lambda text: jsonschema.validate(json.loads(text), PERSON) or True),
+    ({"guided_grammar": 'root ::= "ab" | "cd"'}, lambda text: text in ("ab", "cd")),
 ])
-def test_structured_output_fields_are_refused_until_supported(client, field, value):
-    _bad(lambda: _greedy_ids(client, **{field: value}), field)
+def test_structured_outputs_on_completions(client, extra, check):
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=60,
+                                    temperature=0, extra_body=extra)
+    assert check(out.choices[0].text), out.choices[0].text
+    assert out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("response_format,check", [
+    ({"type": "json_object"}, lambda text: isinstance(json.loads(text), dict)),
+    ({"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+     lambda text: jsonschema.validate(json.loads(text), PERSON) or True),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_on_chat(client, response_format, check, stream):
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Describe a person."}],
+                  max_tokens=80, temperature=0, response_format=response_format)
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(stream=True, **kwargs) if c.choices)
+    else:
+        text = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert check(text), text
+
+
+def test_bad_constraints_are_400_before_a_stream_starts(server, client):
+    bad_schema = {"type": "object", "properties": {"x": {"type": "no-such-type"}}}
+    response = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": "x", "max_tokens": 5, "stream": True,
+        "guided_json": bad_schema})
+    assert response.status_code == 400, response.text
+    _bad(lambda: _greedy_ids(client, guided_regex="[0-9]", guided_choice=["a"]), "guided_choice")
+    _bad(lambda: _greedy_ids(client, structured_outputs={"choice": ["a"], "nonsense": 1}),
+         "structured_outputs")
+    _bad(lambda: _greedy_ids(client, guided_whitespace_pattern=" "), "guided_whitespace_pattern")
+    _bad(lambda: _greedy_ids(client, guided_choice=["a"], guided_decoding_backend="other"),
+         "guided_decoding_backend")
 
 
 def test_tool_fields_without_tools(client):
@@ -187,7 +231,7 @@ def test_tool_fields_without_tools(client):
          "parallel_tool_calls")
     _bad(lambda: client.chat.completions.create(
         model=MODEL_NAME, messages=messages, max_tokens=2,
-        response_format={"type": "json_object"}), "response_format")
+        response_format={"type": "yaml"}), "response_format")
 
 
 def test_chat_template_needs_trust_and_kwargs_reach_it(client, trusting):

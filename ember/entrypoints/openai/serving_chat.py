@@ -41,6 +41,7 @@ from ember.entrypoints.openai.serving_common import (
     sse,
     truncate_prompt,
     until_disconnect,
+    validate_structured_outputs,
 )
 from ember.outputs import RequestOutput
 
@@ -54,10 +55,6 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
     if req.parallel_tool_calls is not None:
         raise OpenAIError("parallel_tool_calls needs tools, which this server does not "
                           "support yet", 400, param="parallel_tool_calls")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise OpenAIError(f"response_format {fmt!r} is not supported yet (only 'text')", 400,
-                          param="response_format")
     if req.top_logprobs and not req.logprobs:
         raise OpenAIError("top_logprobs needs logprobs=true", 400, param="top_logprobs")
 
@@ -90,6 +87,7 @@ async def create_chat_completion(
                                      beam_search_params(req, max_tokens))
     else:
         params = sampling_params(req, ctx, max_tokens, num_top)
+        await validate_structured_outputs(params, ctx)
         gen = ctx.engine.generate(engine_prompt(ids, None, req), params, engine_id, time.time(),
                                   priority=req.priority)
     if req.stream:
@@ -196,7 +194,9 @@ async def _stream(
             completion_tokens = sum(len(c.token_ids) for c in final.outputs)
             yield chunk([], UsageInfo(prompt_tokens=prompt_tokens,
                                       completion_tokens=completion_tokens,
-                                      total_tokens=prompt_tokens + completion_tokens))
+                                      total_tokens=prompt_tokens + completion_tokens,
+                                      prompt_tokens_details=PromptTokensDetails(
+                                          cached_tokens=max(final.num_cached_tokens, 0))))
     except (EngineDeadError, ValueError) as exc:
         status = 503 if isinstance(exc, EngineDeadError) else 400
         yield sse(error_body(OpenAIError(str(exc), status)))

@@ -25,8 +25,10 @@ from starlette.types import Message, Receive, Scope, Send
 from ember.engine.async_llm import AsyncLLM
 from ember.entrypoints.openai.errors import OpenAIError, error_body
 from ember.entrypoints.openai.protocol import ChatMessage, SamplingExtras
+from ember.entrypoints.openai.serving_structured import structured_outputs_from
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
+from ember.structured_output.config import StructuredOutputsConfig
 
 T = TypeVar("T")
 logger = logging.getLogger("ember")
@@ -53,6 +55,8 @@ class ServingContext:
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-tokenizer")
         self.max_text_chars = _max_text_chars(engine.tokenizer, self.max_model_len)
         self.default_sampling = dict(getattr(engine.model_config, "default_sampling", {}))
+        self.structured_outputs_config = (engine.model_config.structured_outputs
+                                          or StructuredOutputsConfig())
         self.trust_request_chat_template = trust_request_chat_template
         # Set when the server's shutdown grace period is over: in-flight requests end now.
         self.abort_in_flight = asyncio.Event()
@@ -234,9 +238,6 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
 # Sampling fields the model's generation_config.json may give defaults for (vLLM's
 # generation_config="auto"): used when the request leaves them out.
 _MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-# Fields refused until what they need exists, with why.
-_STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")
 
 
 def sampling_params(
@@ -249,7 +250,7 @@ def sampling_params(
     """SamplingParams of a request; its ValueErrors become 400s naming the field."""
     check_token_ids(req.stop_token_ids, ctx, "stop_token_ids")
     check_token_ids(req.allowed_token_ids, ctx, "allowed_token_ids")
-    check_structured_outputs(req)
+    structured = structured_outputs_from(req, ctx.structured_outputs_config.backend)
     if req.length_penalty != 1.0:
         raise OpenAIError("length_penalty applies only with use_beam_search", 400,
                           param="length_penalty")
@@ -286,6 +287,7 @@ def sampling_params(
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words,
         extra_args=req.vllm_xargs,
+        structured_outputs=structured,
     )
     try:
         return SamplingParams(**kwargs)
@@ -317,11 +319,19 @@ def _logit_bias(bias: dict[str, float] | None, ctx: ServingContext) -> dict[int,
     return out
 
 
-def check_structured_outputs(req: SamplingExtras) -> None:
-    for name in _STRUCTURED_FIELDS:
-        if getattr(req, name) is not None:
-            raise OpenAIError(f"{name} is not supported yet: this server has no structured-"
-                              "output engine", 400, param=name)
+async def validate_structured_outputs(params: SamplingParams, ctx: ServingContext) -> None:
+    """400 now for a constraint the grammar backend cannot compile, rather than an error event
+    in a stream that already started (compiling runs in the tokenizer thread; the engine reuses
+    the result)."""
+    if params.structured_outputs is None:
+        return
+    from ember.structured_output.validation import validate_structured_outputs as validate
+
+    try:
+        await ctx._in_tokenizer_thread(validate, params, ctx.structured_outputs_config,
+                                       ctx._worker_tokenizer())
+    except ValueError as exc:
+        raise OpenAIError(str(exc), 400, param="structured_outputs") from None
 
 
 def check_priority(req: SamplingExtras, ctx: ServingContext) -> None:

@@ -42,6 +42,7 @@ from ember.entrypoints.openai.serving_common import (
     sse,
     truncate_prompt,
     until_disconnect,
+    validate_structured_outputs,
 )
 from ember.outputs import CompletionOutput, RequestOutput
 
@@ -97,6 +98,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServingCo
     else:
         params = [sampling_params(req, ctx, max_tokens, req.logprobs, echo_logprobs)
                   for max_tokens in lengths]
+        await validate_structured_outputs(params[0], ctx)  # the same constraint for each
         gens = [ctx.engine.generate(engine_prompt(ids, text, req), sp, f"{engine_id}-{i}",
                                     arrival, priority=req.priority)
                 for i, ((text, ids), sp) in enumerate(zip(prompts, params, strict=True))]
@@ -174,6 +176,7 @@ async def _stream(
     usage = UsageInfo(prompt_tokens=sum(len(ids) for _, ids in prompts))
     continuous = continuous_usage(req)
     decode = _decoder(req, ctx)
+    cached: dict[int, int] = {}  # prompt index -> its cached prompt tokens
 
     def chunk(index: int, text: str, lp, c: CompletionOutput, prompt_lps=None) -> str:
         choice = CompletionChoice(index=index, text=text, logprobs=lp,
@@ -216,9 +219,11 @@ async def _stream(
                 state.echoed, state.finished = True, c.finish_reason is not None
                 if state.finished:
                     usage.completion_tokens += len(c.token_ids)
+                cached[i] = max(out.num_cached_tokens, 0)
                 yield chunk(i * req.n + c.index, prefix + delta, lp, c, prompt_lps)
         if include_usage:
             usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=sum(cached.values()))
             yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                          usage=usage))
     except (EngineDeadError, ValueError) as exc:
