@@ -229,8 +229,20 @@ def test_mistral_array_of_calls_with_content_before():
     check_every_split(MistralToolParser, text)
 
 
+def test_mistral_v11_and_v13_calls_name_before_arguments():
+    text = ('Checking. [TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]search[ARGS] '
+            + json.dumps(NESTED) + " Done.")
+    result = MistralToolParser().extract_tool_calls(text)
+    assert calls_of(result) == [("get_weather", {"city": "Paris"}), ("search", NESTED)]
+    assert result.content == "Checking. Done."
+    check_every_split(MistralToolParser, text)
+
+
 @pytest.mark.parametrize("text", [
     "[TOOL_CALLS] not a list",
+    "[TOOL_CALLS]get_weather",
+    "[TOOL_CALLS]get weather{}",
+    '[TOOL_CALLS]f{"a": }',
     "[TOOL_CALLS][]",
     '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {bad}}]',
     "no calls, but [brackets] and [TOOL_CALL",
@@ -309,7 +321,11 @@ def _outputs(draw, kind):
         before = draw(_content.filter(lambda s: "[TOOL_CALLS]" not in s))
         if not calls:
             return before, []
-        text = before + "[TOOL_CALLS]" + _dump([{"name": n, "arguments": a} for n, a in calls])
+        if draw(st.booleans()):
+            text = before + "[TOOL_CALLS]" + _dump([{"name": n, "arguments": a} for n, a in calls])
+        else:  # v11 / v13 tokenizers: one call per marker, the name outside the JSON
+            text = before + "".join(f"[TOOL_CALLS]{n}{draw(st.sampled_from(['', '[ARGS]']))}"
+                                    f"{_dump(a)}" for n, a in calls)
     else:  # required
         if not calls:
             return "[]", []

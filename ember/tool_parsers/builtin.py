@@ -38,11 +38,13 @@ _ALNUM = string.ascii_letters + string.digits
 
 
 class MistralToolParser(ToolParser):
-    """Mistral (tokenizer before v11): ``[TOOL_CALLS][{"name": …, "arguments": {…}}, …]``.
+    """Mistral: ``[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`` (tokenizers before v11), and
+    ``[TOOL_CALLS]name{…}`` / ``[TOOL_CALLS]name[ARGS]{…}`` (v11 / v13), one call per marker.
 
     `[TOOL_CALLS]` is a special token: decode with skip_special_tokens=False."""
 
-    call_format = CallFormat(marker="[TOOL_CALLS]", open="[", sep=",", close="]")
+    call_format = CallFormat(marker="[TOOL_CALLS]", open="[", sep=",", close="]",
+                             named_args=("[ARGS]", "{"))
     needs_special_tokens = True
 
     def make_id(self) -> str:

@@ -42,6 +42,9 @@ class CallFormat:
                                  # the first text that is no separator (that text is content)
     arg_keys: tuple[str, ...] = ("arguments", "parameters")
     repeat: bool = True          # after a group, look for the marker again (else: all content)
+    # A group may instead be one call written `name{arguments}` or `name[ARGS]{arguments}`
+    # (Mistral's tokenizers from v11); `open` tells the two apart.
+    named_args: tuple[str, ...] = ()
 
 
 @dataclass
@@ -55,9 +58,10 @@ class Call:
 class _ObjectScanner:
     """One call object, from its "{" to the matching "}", scanned as text arrives."""
 
-    def __init__(self, start: int, arg_keys: tuple[str, ...]) -> None:
+    def __init__(self, start: int, arg_keys: tuple[str, ...], name: str | None = None) -> None:
         self.start = self.pos = start
         self.arg_keys = arg_keys
+        self.bare = name is not None  # the object is the arguments of a call named before it
         self.stack: list[str] = []
         self.in_str = self.esc = False
         self.str_start = 0
@@ -65,7 +69,7 @@ class _ObjectScanner:
         self.key: str | None = None
         self.keys: set[str] = set()
         self.value_key: str | None = None  # the top-level key whose nested value is open
-        self.call = Call()
+        self.call = Call(name=name)
         self.end: int | None = None
 
     def advance(self, text: str) -> None:
@@ -89,6 +93,8 @@ class _ObjectScanner:
             if not self.stack:
                 if c != "{":
                     raise Malformed("a call is a JSON object")
+                if self.bare:
+                    self.call.args_start = i
                 self.stack.append("}")
                 self.expect = "key"
             elif len(self.stack) == 1:
@@ -110,7 +116,7 @@ class _ObjectScanner:
             self.keys.add(value)
             self.expect = "colon"
         else:  # a string value of a top-level key
-            if self.key == "name":
+            if self.key == "name" and not self.bare:
                 if not value:
                     raise Malformed("an empty name")
                 self.call.name = value
@@ -129,9 +135,11 @@ class _ObjectScanner:
                 raise Malformed(f"expected ':', got {c!r}")
             self.expect = "value"
         elif self.expect == "value":
-            if self.key == "name" and c != '"':
+            if self.bare:
+                pass
+            elif self.key == "name" and c != '"':
                 raise Malformed("the name is not a string")
-            if self.key in self.arg_keys:
+            elif self.key in self.arg_keys:
                 if c != "{":
                     raise Malformed("the arguments are not a JSON object")
                 if self.call.args_start is not None:
@@ -167,6 +175,8 @@ class _ObjectScanner:
     def _close(self, i: int) -> None:
         self.stack.pop()
         self.end = i + 1
+        if self.bare:
+            self.call.args_end = self.end
 
 
 @dataclass
@@ -190,6 +200,7 @@ class CallScanner:
         self.mode = "start" if fmt.at_start or fmt.starts_with else "content"
         self.after_call = False  # drop whitespace before content that follows a group
         self.obj: _ObjectScanner | None = None
+        self.group_named = False
         self.state = ScanState()
 
     # ----------------------------------------------------------------- driving
@@ -204,7 +215,7 @@ class CallScanner:
     def finish(self) -> None:
         try:
             self._run(final=True)
-            if self.mode in ("object", "open", "next"):
+            if self.mode in ("object", "open", "next", "name"):
                 raise Malformed("the output ends inside a call")
         except Malformed:
             self._fail()
@@ -296,9 +307,33 @@ class CallScanner:
             if c is None:
                 return
             if c != self.fmt.open:
+                if self.fmt.named_args:
+                    self.mode = "name"
+                    return
                 raise Malformed(f"expected {self.fmt.open!r}")
             self.pos += 1
+        self.group_named = False
         self.mode = "next"
+
+    def _name(self, final: bool) -> None:
+        """A call written `name{…}` / `name[ARGS]{…}`: the name, up to its arguments."""
+        text, start = self.text, self.pos
+        i = start
+        while i < len(text) and (text[i].isalnum() or text[i] in "_-"):
+            i += 1
+        rest = text[i:]
+        for sep in self.fmt.named_args:
+            if rest.startswith(sep) and i > start:
+                self.group_named = True
+                self.pos = i + len(sep) - (sep == "{")  # "{" is the object's own
+                self.obj = _ObjectScanner(self.pos, (), name=text[start:i])
+                self.state.calls.append(self.obj.call)
+                self.mode = "object"
+                return
+        if i == len(text) or (any(sep.startswith(rest) for sep in self.fmt.named_args)
+                              and not final):
+            return  # the name, or what follows it, is still arriving
+        raise Malformed("expected a call name and its arguments")
 
     def _next(self, final: bool) -> None:
         """Before a call object."""
@@ -323,13 +358,16 @@ class CallScanner:
             return
         if not call.committed:
             raise Malformed("a call needs a string 'name' and an object of arguments")
-        _validate(self.text[obj.start:obj.end], self.fmt.arg_keys)
+        _validate(self.text[obj.start:obj.end], () if obj.bare else self.fmt.arg_keys)
         self.obj = None
         self.mode = "after"
 
     def _after(self, final: bool) -> None:
         """After a call object: a separator, the group's close, or (no close) content."""
         fmt = self.fmt
+        if self.group_named:  # one call per group; what follows is content or another group
+            self._end_group()
+            return
         c = self._skip_ws()
         if c is None:
             return
@@ -366,6 +404,8 @@ def _validate(obj_text: str, arg_keys: tuple[str, ...]) -> None:
         obj = json.loads(obj_text)
     except json.JSONDecodeError as exc:
         raise Malformed(f"a call is not valid JSON: {exc}") from None
+    if not arg_keys:  # the arguments object of a call named outside it
+        return
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise Malformed("a call needs a string 'name'")
     if sum(k in obj for k in arg_keys) != 1:
