@@ -16,6 +16,7 @@ from ember.tool_parsers import (
     required_tool_calls,
     required_tool_calls_schema,
     tool_call_json_schema,
+    validate_tools,
 )
 from ember.tool_parsers.builtin import RequiredToolCallParser
 
@@ -133,3 +134,20 @@ def test_constrained_outputs_parse_into_calls():
     call = named_tool_call("get_weather", ' {"city": "Paris"} ')
     assert call["type"] == "function" and call["id"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_validate_tools_names_the_tool_and_the_problem():
+    validate_tools(TOOLS)
+    validate_tools(None)
+    for tools, match in [
+        ([{"type": "code_interpreter"}], r"tools\[0\]: only tools of type 'function'"),
+        ([WEATHER, {"type": "function", "function": {}}], r"a tool must be"),
+        ([{"type": "function", "function": {"name": "has space"}}], r"'has space' must be"),
+        ([WEATHER, WEATHER], r"tools\[1\]: function name 'get_weather' is given twice"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+         r"tools\[0\] \(f\): parameters must be a JSON schema object"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+         r"must describe an object"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            validate_tools(tools)

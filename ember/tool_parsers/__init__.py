@@ -18,6 +18,7 @@ from ember.tool_parsers.schema import (
     required_tool_calls,
     required_tool_calls_schema,
     tool_call_json_schema,
+    validate_tools,
 )
 
 
@@ -44,4 +45,5 @@ __all__ = [
     "required_tool_calls",
     "required_tool_calls_schema",
     "tool_call_json_schema",
+    "validate_tools",
 ]

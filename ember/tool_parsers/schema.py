@@ -14,6 +14,7 @@ pydantic models. The schemas are new dicts: the request's tools are not modified
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,39 @@ from ember.tool_parsers.abstract import make_tool_call_id, tool_call
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 _DEF_KEYS = ("$defs", "definitions")
+
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
+def validate_tools(tools: Sequence[Any] | None) -> None:
+    """Check a request's tools (a ValueError naming the tool and the problem, for a 400): each
+    is ``{"type": "function", "function": {"name", "parameters"?}}`` with a name of at most 64
+    letters, digits, '_' or '-', names are unique, and parameters (if given) are a JSON schema
+    object. Whether a schema's keywords are supported is the grammar backend's to say, when
+    tool_choice makes one compile it."""
+    seen: set[str] = set()
+    for i, tool in enumerate(tools or ()):
+        if hasattr(tool, "model_dump"):
+            tool = tool.model_dump(exclude_none=True)
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ValueError(f"{where}: only tools of type 'function' are supported")
+        fn = _function(tool)
+        name = fn["name"]
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"{where}: function name {name!r} must be 1-64 letters, digits, "
+                             "'_' or '-'")
+        if name in seen:
+            raise ValueError(f"{where}: function name {name!r} is given twice")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"{where} ({name}): parameters must be a JSON schema object, got "
+                             f"{type(params).__name__}")
+        if params and params.get("type", "object") != "object":
+            raise ValueError(f"{where} ({name}): parameters must describe an object "
+                             f"(type 'object'), got type {params.get('type')!r}")
 
 
 def _function(tool: Any) -> dict[str, Any]:
