@@ -127,3 +127,51 @@ def test_streamed_equals_whole_for_every_split(parser_cls, data):
     assert replay(parser_cls(prompt=prompt), text, cuts) == (reasoning, content)
     # nothing is lost but the tags that delimit the reasoning
     assert len(reasoning or "") + len(content or "") <= len(text)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cuts=st.lists(st.integers(0, 200), max_size=40))
+def test_reasoning_then_tool_calls_streamed_equals_whole(cuts):
+    """The endpoint's pipeline for a Qwen3 model with both parsers: the reasoning parser's
+    content deltas feed the tool parser."""
+    from ember.tool_parsers.builtin import HermesToolParser
+
+    text = ("<think>\nThe user wants the weather; call <tool_call> for Paris.\n</think>\n\n"
+            'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            "</tool_call>")
+    reasoning, content = Qwen3ReasoningParser().extract_reasoning(text)
+    whole = HermesToolParser().extract_tool_calls(content)
+    assert reasoning == "\nThe user wants the weather; call <tool_call> for Paris.\n"
+    assert whole.content == "\n\nChecking.\n" and len(whole.tool_calls) == 1
+
+    r_parser, t_parser = Qwen3ReasoningParser(), HermesToolParser()
+    bounds = [0, *sorted({c for c in cuts if c < len(text)}), len(text)]
+    got = {"reasoning": "", "content": "", "args": ""}
+    fed = ""
+
+    def tool_step(piece: str | None) -> None:
+        nonlocal fed
+        if piece is None:
+            delta = t_parser.finish_streaming()
+        else:
+            delta = t_parser.extract_tool_calls_streaming(fed, fed + piece, piece)
+            fed += piece
+        for tc in (delta or {}).get("tool_calls", []):
+            got["args"] += tc["function"]["arguments"]
+        got["content"] += (delta or {}).get("content", "")
+
+    previous = ""
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        piece = text[a:b]
+        delta = r_parser.extract_reasoning_streaming(previous, previous + piece, piece) or {}
+        previous += piece
+        got["reasoning"] += delta.get("reasoning_content", "")
+        if "content" in delta:
+            tool_step(delta["content"])
+    tail = r_parser.finish_streaming() or {}
+    got["reasoning"] += tail.get("reasoning_content", "")
+    if "content" in tail:
+        tool_step(tail["content"])
+    tool_step(None)
+    assert got == {"reasoning": reasoning, "content": whole.content,
+                   "args": whole.tool_calls[0]["function"]["arguments"]}
