@@ -125,8 +125,11 @@ SERVER_FIELD_TESTS = {
         "logprobs": ["test_server.py::test_chat_logprobs"],
         "top_logprobs": ["test_server.py::test_chat_logprobs"],
         "response_format": ["test_server_params.py::test_response_format_on_chat"],
-        "tools": ["test_server_errors.py::test_chat_400"],
-        "tool_choice": ["test_server_params.py::test_tool_fields_without_tools"],
+        "tools": ["test_server_tools.py::test_forced_tool_calls_always_parse",
+                  "test_server_tools.py::test_auto_tool_calls_are_parsed_from_the_text"],
+        "tool_choice": ["test_server_tools.py::test_forced_tool_calls_always_parse",
+                        "test_server_tools.py::test_bad_tool_choices_are_400",
+                        "test_server_params.py::test_tool_fields_without_tools"],
         "parallel_tool_calls": ["test_server_params.py::test_tool_fields_without_tools"],
         "reasoning_effort": [
             "test_server_params.py::test_chat_template_needs_trust_and_kwargs_reach_it"],

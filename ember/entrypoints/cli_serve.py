@@ -26,6 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests replace the chat template (chat_template field); "
                              "off by default: a template runs code-like Jinja on the server")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide to call tools (tool_choice "auto"); needs '
+                             "--tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="how tool calls are read from the output: hermes, llama3_json, "
+                             "mistral or a plugin's (`ember plugins` lists them)")
+    parser.add_argument("--reasoning-parser", default=None,
+                        help="split reasoning_content from the answer: qwen3, deepseek_r1 or a "
+                             "plugin's")
     limits = parser.add_argument_group("limits on clients")
     limits.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get a 413 before they are read "

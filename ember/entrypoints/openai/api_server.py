@@ -23,6 +23,7 @@ import ember
 from ember import envs
 from ember.engine.async_llm import AsyncLLM
 from ember.entrypoints.openai import metrics as prom
+from ember.entrypoints.openai.chat_outputs import ServerParsers
 from ember.entrypoints.openai.errors import OpenAIError, error_body, install_error_handlers
 from ember.entrypoints.openai.limits import RequestLimitsMiddleware, ServerLimits
 from ember.entrypoints.openai.protocol import (
@@ -81,11 +82,12 @@ def build_app(
     limits: ServerLimits | None = None,
     trust_request_chat_template: bool = False,
     dev_mode: bool | None = None,
+    parsers: ServerParsers | None = None,
 ) -> FastAPI:
     """The app over `engine`; `limits` (body size, body idle time) default to ServerLimits();
     `dev_mode` (default: EMBER_SERVER_DEV_MODE) adds the engine-control endpoints."""
     names = served_model_names or [engine.model_config.path]
-    ctx = ServingContext(engine, names, trust_request_chat_template)
+    ctx = ServingContext(engine, names, trust_request_chat_template, parsers)
     metrics = prom.ServerMetrics(engine, ctx.model_name)
     engine.add_stat_logger(metrics.record)
 
@@ -206,6 +208,12 @@ def add_dev_endpoints(app: FastAPI, engine: AsyncLLM) -> None:
 
 
 # ---- the `ember serve` process -----------------------------------------------------------
+def parsers_from(ns: argparse.Namespace) -> ServerParsers:
+    return ServerParsers(tool_call_parser=ns.tool_call_parser,
+                         enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                         reasoning_parser=ns.reasoning_parser)
+
+
 def served_names(ns: argparse.Namespace, args) -> list[str]:
     return ns.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
 
@@ -218,6 +226,10 @@ def run_server(ns: argparse.Namespace) -> int:
         raise SystemExit("--api-server-count must be at least 1")
     if ns.api_key == "":
         raise SystemExit("--api-key is empty: give a key, or leave the flag out to serve without one")
+    try:
+        parsers_from(ns).check()
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     args = engine_args_from(ns)
     if ns.api_server_count > 1:
         from ember.entrypoints.openai.launcher import run_multi_server
@@ -229,7 +241,8 @@ def run_server(ns: argparse.Namespace) -> int:
     engine = AsyncLLM.from_engine_args(args)
     names = served_names(ns, args)
     app = build_app(engine, names, api_key=api_key, limits=limits_from(ns),
-                    trust_request_chat_template=ns.trust_request_chat_template)
+                    trust_request_chat_template=ns.trust_request_chat_template,
+                    parsers=parsers_from(ns))
     server = make_server(app, ns)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", names[0], ns.host, ns.port)
     try:

@@ -86,7 +86,7 @@ def run_api_server_process(ns: argparse.Namespace, args: EngineArgs, address: Co
     """One HTTP process: a front end attached to the shared core, serving the shared socket."""
     from ember import envs
     from ember.engine.async_llm import AsyncLLM
-    from ember.entrypoints.openai.api_server import build_app, served_names
+    from ember.entrypoints.openai.api_server import build_app, parsers_from, served_names
     from ember.entrypoints.openai.http_server import limits_from, make_server
 
     logging.basicConfig(level=envs.logging_level(), format="%(levelname)s %(name)s: %(message)s")
@@ -95,7 +95,8 @@ def run_api_server_process(ns: argparse.Namespace, args: EngineArgs, address: Co
     engine = AsyncLLM(args, attach=address, client_index=index)
     app = build_app(engine, served_names(ns, args), api_key=ns.api_key or envs.api_key(),
                     limits=limits_from(ns),
-                    trust_request_chat_template=ns.trust_request_chat_template)
+                    trust_request_chat_template=ns.trust_request_chat_template,
+                    parsers=parsers_from(ns))
     server = make_server(app, ns)
     try:
         server.run(sockets=[listener])

@@ -14,6 +14,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ember.engine.errors import EngineDeadError
+from ember.entrypoints.openai.chat_outputs import (
+    ChoiceParser,
+    needs_special_tokens,
+    tool_constraint,
+    tool_mode,
+)
 from ember.entrypoints.openai.errors import OpenAIError, error_body
 from ember.entrypoints.openai.logprobs import AS_TOKEN_IDS, chat_logprobs, prompt_logprobs_json
 from ember.entrypoints.openai.protocol import (
@@ -44,17 +50,10 @@ from ember.entrypoints.openai.serving_common import (
     validate_structured_outputs,
 )
 from ember.outputs import RequestOutput
+from ember.sampling_params import StructuredOutputsParams
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise OpenAIError("tools are not supported by this server yet", 400, param="tools")
-    if req.tool_choice not in (None, "none"):
-        raise OpenAIError("tool_choice needs tools, which this server does not support yet",
-                          400, param="tool_choice")
-    if req.parallel_tool_calls is not None:
-        raise OpenAIError("parallel_tool_calls needs tools, which this server does not "
-                          "support yet", 400, param="parallel_tool_calls")
     if req.top_logprobs and not req.logprobs:
         raise OpenAIError("top_logprobs needs logprobs=true", 400, param="top_logprobs")
 
@@ -67,9 +66,12 @@ async def create_chat_completion(
     _check_unsupported(req)
     include_usage = check_stream_options(req)
     check_priority(req, ctx)
+    mode = tool_mode(req, ctx.parsers)
     template_kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:  # vLLM hands it to the template (gpt-oss reads it)
         template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    if req.tools:  # the template tells the model about them (vLLM passes them in every mode)
+        template_kwargs.setdefault("tools", req.tools)
     ids = await ctx.apply_chat_template(req.messages, req.add_generation_prompt,
                                         req.continue_final_message, req.chat_template,
                                         template_kwargs, req.add_special_tokens)
@@ -83,18 +85,38 @@ async def create_chat_completion(
     # clients (or a chat and a completion) sending the same one never collide.
     engine_id = random_id("chat-engine")
     if req.use_beam_search:
+        if mode != "none":
+            raise OpenAIError("tools cannot be combined with use_beam_search", 400,
+                              param="use_beam_search")
         gen = ctx.engine.beam_search(engine_prompt(ids, None, req), engine_id,
                                      beam_search_params(req, max_tokens))
     else:
         params = sampling_params(req, ctx, max_tokens, num_top)
+        forced = tool_constraint(req, mode)
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise OpenAIError(f"tool_choice {req.tool_choice!r} constrains the output "
+                                  "itself: drop the other structured-output fields", 400,
+                                  param="tool_choice")
+            params.structured_outputs = StructuredOutputsParams(json=forced)
+        if needs_special_tokens(mode, ctx.parsers):
+            params.skip_special_tokens = False
         await validate_structured_outputs(params, ctx)
         gen = ctx.engine.generate(engine_prompt(ids, None, req), params, engine_id, time.time(),
                                   priority=req.priority)
+    prompt_text = None
+    if ctx.parsers.reasoning_parser:  # whether the template already opened the reasoning
+        prompt_text = await ctx.decode_async(ids)
+
+    def parser() -> ChoiceParser:
+        return ChoiceParser(req, mode, ctx.parsers, ctx.tokenizer, prompt_text)
+
     if req.stream:
-        return EventStreamResponse(_stream(req, ctx, model, request_id, gen, include_usage), ctx,
-                                   request_id)
-    response = await until_disconnect(raw, _full(req, ctx, model, request_id, gen), ctx,
-                                      request_id)
+        return EventStreamResponse(
+            _stream(req, ctx, model, request_id, gen, include_usage, parser, mode), ctx,
+            request_id)
+    response = await until_disconnect(raw, _full(req, ctx, model, request_id, gen, parser, mode),
+                                      ctx, request_id)
     if response is None:
         return Response(status_code=499)  # the client left; nobody reads this
     return JSONResponse(response.model_dump())
@@ -108,7 +130,15 @@ def _echo_prefix(req: ChatCompletionRequest) -> str:
     return ""
 
 
-async def _full(req, ctx: ServingContext, model: str, request_id: str, gen):
+def _finish_reason(reason: str | None, mode: str, called: bool) -> str | None:
+    """vLLM's: "tool_calls" when a choice that stopped by itself called tools ("auto",
+    "required"); a forced named function keeps OpenAI's "stop"."""
+    if called and reason == "stop" and mode in ("auto", "required"):
+        return "tool_calls"
+    return reason
+
+
+async def _full(req, ctx: ServingContext, model: str, request_id: str, gen, parser, mode: str):
     final: RequestOutput | None = None
     try:
         async for out in gen:
@@ -123,9 +153,18 @@ async def _full(req, ctx: ServingContext, model: str, request_id: str, gen):
         if req.logprobs:
             lp = chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0,
                                _decoder(req, ctx))
-        message = ChatResponseMessage(content=_echo_prefix(req) + c.text)
+        reason = c.finish_reason
+        choice_parser = parser()
+        if choice_parser.active:
+            reasoning, content, calls = choice_parser.whole(c.text)
+            message = ChatResponseMessage(
+                content=(_echo_prefix(req) + content) if content or _echo_prefix(req) else None,
+                reasoning_content=reasoning, tool_calls=calls or [])
+            reason = _finish_reason(reason, mode, bool(calls))
+        else:
+            message = ChatResponseMessage(content=_echo_prefix(req) + c.text)
         choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                  finish_reason=reason, stop_reason=c.stop_reason))
     prompt_tokens = len(final.prompt_token_ids)
     usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                       total_tokens=prompt_tokens + completion_tokens,
@@ -142,7 +181,8 @@ def _decoder(req: ChatCompletionRequest, ctx: ServingContext):
 
 
 async def _stream(
-    req, ctx: ServingContext, model: str, request_id: str, gen, include_usage: bool
+    req, ctx: ServingContext, model: str, request_id: str, gen, include_usage: bool, parser,
+    mode: str,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     continuous = continuous_usage(req)
@@ -157,6 +197,7 @@ async def _stream(
                                                 choices=choices, usage=usage))
 
     decode = _decoder(req, ctx)
+    parsers = [parser() for _ in range(req.n)]
     sent_text = [0] * req.n
     sent_tokens = [0] * req.n
     finished = [False] * req.n
@@ -182,11 +223,23 @@ async def _stream(
                 if req.logprobs:
                     entries = (c.logprobs or [])[sent_tokens[k]:len(c.token_ids)]
                     lp = chat_logprobs(new_ids, entries, req.top_logprobs or 0, decode)
+                previous = c.text[:sent_text[k]]
                 sent_text[k], sent_tokens[k] = len(c.text), len(c.token_ids)
                 finished[k] = c.finish_reason is not None
-                choices.append(ChatStreamChoice(index=k, delta=DeltaMessage(content=delta),
-                                                logprobs=lp, finish_reason=c.finish_reason,
-                                                stop_reason=c.stop_reason))
+                reason = c.finish_reason
+                if parsers[k].active:
+                    fields = parsers[k].delta(previous, c.text, delta)
+                    if finished[k]:
+                        for key, value in parsers[k].finish().items():
+                            fields[key] = (fields.get(key) or type(value)()) + value
+                        reason = _finish_reason(reason, mode, parsers[k].tools_called)
+                    if not (fields or reason or lp):
+                        continue
+                    message = DeltaMessage(**fields)
+                else:
+                    message = DeltaMessage(content=delta)
+                choices.append(ChatStreamChoice(index=k, delta=message, logprobs=lp,
+                                                finish_reason=reason, stop_reason=c.stop_reason))
             if choices:
                 yield chunk(choices)
         if include_usage and final is not None:

@@ -23,6 +23,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from ember.engine.async_llm import AsyncLLM
+from ember.entrypoints.openai.chat_outputs import ServerParsers
 from ember.entrypoints.openai.errors import OpenAIError, error_body
 from ember.entrypoints.openai.protocol import ChatMessage, SamplingExtras
 from ember.entrypoints.openai.serving_structured import structured_outputs_from
@@ -42,7 +43,8 @@ class ServingContext:
     """The engine plus what every handler needs to know about the served model."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str],
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False,
+                 parsers: ServerParsers | None = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
@@ -58,6 +60,7 @@ class ServingContext:
         self.structured_outputs_config = (engine.model_config.structured_outputs
                                           or StructuredOutputsConfig())
         self.trust_request_chat_template = trust_request_chat_template
+        self.parsers = parsers or ServerParsers()
         # Set when the server's shutdown grace period is over: in-flight requests end now.
         self.abort_in_flight = asyncio.Event()
 
