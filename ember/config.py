@@ -61,6 +61,9 @@ class EngineArgs:
     # a plugin's, "disable_any_whitespace": ..., ...}) or an
     # ember.structured_output.StructuredOutputsConfig.
     structured_outputs_config: dict[str, Any] = field(default_factory=dict)
+    # vLLM's: "auto" (pooling for encoder-only and *ForSequenceClassification architectures),
+    # "generate", or "pooling" (embed / classify / score; ember.pooling).
+    runner: str = "auto"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -105,6 +108,10 @@ class EngineArgs:
         from ember.structured_output.config import StructuredOutputsConfig
 
         StructuredOutputsConfig.of(self.structured_outputs_config).validate()
+        from ember.pooling.config import RUNNERS
+
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
         if self.quantization not in (None, "gguf"):
@@ -135,6 +142,7 @@ class ModelConfig:
     max_logprobs: int = 20  # EngineArgs.max_logprobs
     # EngineArgs.structured_outputs_config, resolved (a StructuredOutputsConfig; None: defaults).
     structured_outputs: Any = None
+    runner: str = "generate"  # "generate" | "pooling" (EngineArgs.runner, resolved)
 
     @property
     def vocab_size(self) -> int:
@@ -262,12 +270,18 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
     if args.load_format == "gguf" and not is_gguf:
         raise ValueError(f"load_format='gguf' but {path!r} is not a .gguf file")
     check_quantization(args.quantization, hf_config, path, is_gguf)
+    from ember.pooling.config import resolve_runner, st_max_seq_length
+
+    runner = resolve_runner(args.runner, arch)
+    max_model_len = args.max_model_len
+    if runner == "pooling" and max_model_len is None:
+        max_model_len = st_max_seq_length(path)  # sentence-transformers' own limit
     return ModelConfig(
         path=path,
         hf_config=hf_config,
         architecture=arch,
         dtype=resolve_dtype(args.dtype, hf_config, platform),
-        max_model_len=resolve_max_model_len(args.max_model_len, hf_config),
+        max_model_len=resolve_max_model_len(max_model_len, hf_config),
         load_format=args.load_format,
         is_gguf=is_gguf,
         tokenizer=args.tokenizer,
@@ -276,6 +290,7 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
         max_logprobs=args.max_logprobs,
         structured_outputs=_structured_outputs_config(args),
         default_sampling=_default_sampling(args, path),
+        runner=runner,
     )
 
 

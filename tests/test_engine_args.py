@@ -61,6 +61,8 @@ FIELD_TESTS: dict[str, list[str]] = {
                           "test_generation_config.py::test_vllm_ignores_it"],
     "override_generation_config": ["test_generation_config.py::test_override_and_folder"],
     "enable_sleep_mode": ["test_engine_control.py::test_metrics_and_sleep_need_their_flags"],
+    "runner": ["test_pooling.py::test_bert_classifier_matches_transformers",
+               "test_pooling.py::test_decoder_last_token_embeddings_match_transformers"],
 }
 
 

@@ -55,9 +55,9 @@ def run_engine_core(
             from ember.registry import restore
 
             restore(registry_snapshot)  # user registrations reach this process
-        from ember.core.engine_core import EngineCore
+        from ember.pooling.core import make_engine_core
 
-        core = EngineCore(args)
+        core = make_engine_core(args)  # EngineCore, or PoolingEngineCore for pooling
     except BaseException as exc:  # the parent raises it for the user
         import traceback
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from ember.pooling.params import PoolingParams
 from ember.sampling_params import SamplingParams
 
 # (token ids [k+1], logprobs [k+1], rank of the chosen token): one position's logprobs.
@@ -32,6 +33,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     client_index: int = 0
     priority: int = 0  # lower runs first under scheduling_policy="priority"
     cache_salt: str | None = None  # folded into the first block hash: shared only by equal salts
+    pooling_params: PoolingParams | None = None  # a pooling request (ember.pooling)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -46,6 +48,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     first_scheduled_time: float = 0.0  # sent once, in the request's first output
+    pooled: bytes | None = None  # a pooling request's result: float32 values, native order
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -143,9 +143,9 @@ class InprocCoreClient:
     multiprocess = False
 
     def __init__(self, args: EngineArgs) -> None:
-        from ember.core.engine_core import EngineCore
+        from ember.pooling.core import make_engine_core
 
-        self.core = EngineCore(args)
+        self.core = make_engine_core(args)  # EngineCore, or PoolingEngineCore for pooling
         self.ready = self.core.ready
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:

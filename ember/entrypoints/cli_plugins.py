@@ -25,7 +25,8 @@ _TITLES = {"models": "Models", "attention_backends": "Attention backends",
            "quantization_methods": "Quantization methods", "platforms": "Platforms",
            "executors": "Executors", "logits_processors": "Logits processors",
            "grammar_backends": "Grammar backends (structured outputs)",
-           "tool_parsers": "Tool-call parsers", "reasoning_parsers": "Reasoning parsers"}
+           "tool_parsers": "Tool-call parsers", "reasoning_parsers": "Reasoning parsers",
+           "poolers": "Poolers (pooling models)"}
 
 
 def add_subparser(subparsers: Any) -> argparse.ArgumentParser:

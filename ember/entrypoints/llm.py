@@ -1,5 +1,8 @@
 """LLM: the offline entry point (vLLM's `LLM.generate` / `LLM.chat`).
 
+Pooling models (`runner="pooling"`, or "auto" for encoder-only and classifier architectures) use
+`embed`, `classify`, `score` and `encode` instead (ember.pooling.api).
+
 `use_tqdm` is vLLM's: True for a tqdm bar, False for none, or a callable used as the bar's factory
 (`use_tqdm(total=..., desc=...)`). `priority` (one per prompt) needs scheduling_policy="priority".
 """
@@ -121,6 +124,39 @@ class LLM:
             self.llm_engine.abort_request(ids)  # a bad prompt must not leave the others queued
             raise
         return self._run_engine(ids, use_tqdm)
+
+    # ---- pooling models (ember.pooling.api) ---------------------------------------------
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: Any = None,
+              truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool | Callable[..., Any] = True) -> list[Any]:
+        """One EmbeddingRequestOutput per prompt (`.outputs.embedding`)."""
+        from ember.pooling.api import embed
+
+        return embed(self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm)
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: Any = None,
+                 truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool | Callable[..., Any] = True) -> list[Any]:
+        """One ClassificationRequestOutput per prompt (`.outputs.probs`)."""
+        from ember.pooling.api import classify
+
+        return classify(self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm)
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable[..., Any] = True,
+              pooling_params: Any = None) -> list[Any]:
+        """One ScoringRequestOutput per pair (`.outputs.score`); one text_1 pairs with all."""
+        from ember.pooling.api import score
+
+        return score(self, text_1, text_2, truncate_prompt_tokens, use_tqdm, pooling_params)
+
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: Any = None,
+               truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool | Callable[..., Any] = True) -> list[Any]:
+        """One PoolingRequestOutput per prompt (`.outputs.data`, a tensor)."""
+        from ember.pooling.api import encode
+
+        return encode(self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     lora_request: Any = None, use_tqdm: bool = False,

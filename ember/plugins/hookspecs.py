@@ -115,6 +115,16 @@ def ember_register_reasoning_parsers(registry, api_version):  # type: ignore[no-
     """
 
 
+@hookspec
+def ember_register_poolers(registry, api_version):  # type: ignore[no-untyped-def]
+    """Register poolers: ``registry.register_pooler(name, "mod:function")``.
+
+    `registry` is ember.registry.PoolerRegistry; the function maps the packed last hidden states
+    and an ember.pooling.batch.PoolingBatch to one vector per prompt, and a pooling model uses it
+    when its checkpoint names the mode. Added in plugin API v1 without a version bump.
+    """
+
+
 # Hook name -> registry key in ember.registry.REGISTRIES, in the order hooks are called.
 HOOKS: dict[str, str] = {
     "ember_register_platforms": "platforms",
@@ -126,4 +136,5 @@ HOOKS: dict[str, str] = {
     "ember_register_grammar_backends": "grammar_backends",
     "ember_register_tool_parsers": "tool_parsers",
     "ember_register_reasoning_parsers": "reasoning_parsers",
+    "ember_register_poolers": "poolers",
 }

@@ -1,5 +1,5 @@
 """The registries (models, attention backends, quantization methods, platforms, executors,
-logits processors, grammar backends, tool-call parsers, reasoning parsers), their built-in
+logits processors, grammar backends, tool-call parsers, reasoning parsers, poolers), their built-in
 entries, and the snapshot/restore hand-off to worker processes.
 
 Importing this package imports no model, backend, platform, executor or plugin code, and it
@@ -197,6 +197,18 @@ class ReasoningParserRegistryType(LazyRegistry[type]):
         return self.names()
 
 
+class PoolerRegistryType(LazyRegistry[Any]):
+    """Pooling mode name (sentence-transformers' and vLLM's: `cls`, `mean`, `last`) -> a
+    function `(hidden [T, H], PoolingBatch) -> [B, H]` (ember.pooling.poolers)."""
+
+    def register_pooler(self, name: str, pooler: str | Any, *, override: bool = False,
+                        **capabilities: Any) -> Entry:
+        return self.register(name, pooler, capabilities=capabilities, override=override)
+
+    def get_supported_poolers(self) -> list[str]:
+        return self.names()
+
+
 ModelRegistry = ModelRegistryType("model architecture")
 AttentionBackendRegistry = AttentionBackendRegistryType("attention backend")
 QuantizationRegistry = QuantizationRegistryType("quantization method")
@@ -206,6 +218,7 @@ LogitsProcessorRegistry = LogitsProcessorRegistryType("logits processor")
 GrammarBackendRegistry = GrammarBackendRegistryType("grammar backend")
 ToolParserRegistry = ToolParserRegistryType("tool-call parser")
 ReasoningParserRegistry = ReasoningParserRegistryType("reasoning parser")
+PoolerRegistry = PoolerRegistryType("pooler")
 
 REGISTRIES: dict[str, LazyRegistry] = {
     "models": ModelRegistry,
@@ -217,6 +230,7 @@ REGISTRIES: dict[str, LazyRegistry] = {
     "grammar_backends": GrammarBackendRegistry,
     "tool_parsers": ToolParserRegistry,
     "reasoning_parsers": ReasoningParserRegistry,
+    "poolers": PoolerRegistry,
 }
 
 _BUILTIN_MODELS = {
@@ -224,6 +238,22 @@ _BUILTIN_MODELS = {
     "MistralForCausalLM": "ember.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "ember.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "ember.models.qwen3:Qwen3ForCausalLM",
+}
+# Pooling models (ember.pooling): capability runner="pooling" makes runner="auto" pick pooling.
+_BUILTIN_POOLING_MODELS = {
+    "BertModel": "ember.models.bert:BertModel",
+    "BertForSequenceClassification": "ember.models.bert:BertForSequenceClassification",
+    "LlamaForSequenceClassification":
+        "ember.models.pooling_decoders:LlamaForSequenceClassification",
+    "Qwen2ForSequenceClassification":
+        "ember.models.pooling_decoders:Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification":
+        "ember.models.pooling_decoders:Qwen3ForSequenceClassification",
+}
+_BUILTIN_POOLERS = {
+    "cls": "ember.pooling.poolers:cls_pool",
+    "mean": "ember.pooling.poolers:mean_pool",
+    "last": "ember.pooling.poolers:last_pool",
 }
 _HALF = ["float16", "bfloat16"]
 _ALL = ["float32", "float16", "bfloat16"]
@@ -270,6 +300,10 @@ _BUILTIN_GRAMMAR_BACKENDS = {
 
 for _name, _target in _BUILTIN_MODELS.items():
     ModelRegistry.register(_name, _target, owner="ember")
+for _name, _target in _BUILTIN_POOLING_MODELS.items():
+    ModelRegistry.register(_name, _target, owner="ember", capabilities={"runner": "pooling"})
+for _name, _target in _BUILTIN_POOLERS.items():
+    PoolerRegistry.register(_name, _target, owner="ember")
 for _name, (_target, _caps) in _BUILTIN_BACKENDS.items():
     AttentionBackendRegistry.register(_name, _target, owner="ember", capabilities=_caps)
 for _name, _target in _BUILTIN_QUANTIZATION.items():
@@ -354,6 +388,7 @@ __all__ = [
     "GrammarBackendRegistry",
     "ToolParserRegistry",
     "ReasoningParserRegistry",
+    "PoolerRegistry",
     "REGISTRIES",
     "registering_as",
     "snapshot",

@@ -1,0 +1,65 @@
+"""PoolingBatch: many prompts packed into one flat token batch, and the pad/unpad indices that
+bidirectional attention over padded [batch, max_len] blocks needs.
+
+Linear layers, norms and the MLP run on the packed tokens only (no compute on padding); only the
+attention core sees a padded view, with a key mask where lengths differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PoolingBatch:
+    input_ids: torch.Tensor  # [T] int64, the prompts one after another
+    positions: torch.Tensor  # [T] int64, 0.. per prompt
+    token_type_ids: torch.Tensor  # [T] int64 (1 from a pair's second segment on)
+    lengths: list[int]
+    starts: torch.Tensor  # [B] int64, first token of each prompt in the flat batch
+    lengths_t: torch.Tensor  # [B] int64
+    max_len: int
+    pad_index: torch.Tensor  # [T] int64: flat token -> row of the [B * max_len] padded view
+    key_mask: torch.Tensor | None  # [B, 1, 1, max_len] bool, None when every length is max_len
+
+    @classmethod
+    def build(cls, prompts: list[list[int]], pair_starts: list[int | None],
+              device: torch.device) -> PoolingBatch:
+        lengths = [len(p) for p in prompts]
+        max_len = max(lengths)
+        flat = [t for p in prompts for t in p]
+        positions = [i for n in lengths for i in range(n)]
+        types = []
+        for n, pair in zip(lengths, pair_starts):
+            types += [0] * n if pair is None else [0] * pair + [1] * (n - pair)
+        pad = [b * max_len + i for b, n in enumerate(lengths) for i in range(n)]
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        lengths_t = torch.tensor(lengths, dtype=torch.int64)
+        mask = None
+        if min(lengths) != max_len:
+            mask = (torch.arange(max_len)[None, :] < lengths_t[:, None])[:, None, None, :]
+            mask = mask.to(device)
+
+        def t(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device)
+
+        return cls(t(flat), t(positions), t(types), lengths, t(starts), lengths_t.to(device),
+                   max_len, t(pad), mask)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lengths)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [B, max_len, ...] (zeros where there is no token)."""
+        out = x.new_zeros((self.num_seqs * self.max_len, *x.shape[1:]))
+        out.index_copy_(0, self.pad_index, x)
+        return out.view(self.num_seqs, self.max_len, *x.shape[1:])
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, max_len, ...] -> [T, ...]."""
+        return x.reshape(self.num_seqs * self.max_len, *x.shape[2:]).index_select(0, self.pad_index)

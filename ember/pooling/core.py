@@ -1,0 +1,149 @@
+"""PoolingEngineCore: the engine core for pooling models (embeddings, classification, scoring).
+
+Same surface as ember.core.engine_core.EngineCore (add_request / abort_requests / has_work /
+step / ready / stats), so the in-process client and the engine-core process run either. Pooling
+requests need one prefill and no KV cache: each step admits waiting requests first come, first
+served under the token budget (max_num_batched_tokens) and max_num_seqs, runs them as one packed
+batch, and finishes every one of them with its pooled vector (float32 bytes in
+`EngineCoreOutput.pooled`, what crosses a process boundary). `make_engine_core` picks this core
+or the generate core from the resolved runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from ember.config import EngineArgs
+from ember.core.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    SchedulerStats,
+)
+
+logger = logging.getLogger("ember")
+
+DEFAULT_TOKEN_BUDGET = 16384
+
+
+def make_engine_core(args: EngineArgs):
+    """The EngineCore for a generating model, a PoolingEngineCore for a pooling one."""
+    from ember.engine.llm_engine import resolve_front_end_config
+
+    if getattr(args, "runner", "auto") != "generate" and \
+            resolve_front_end_config(args).runner == "pooling":
+        return PoolingEngineCore(args)
+    from ember.core.engine_core import EngineCore
+
+    return EngineCore(args)
+
+
+class PoolingEngineCore:
+    def __init__(self, args: EngineArgs) -> None:
+        args.validate()
+        start = time.perf_counter()
+        from ember.config import resolve_model_config
+        from ember.platforms import resolve_platform
+        from ember.plugins import load_plugins
+        from ember.pooling.runner import PoolingRunner
+
+        load_plugins()
+        platform = resolve_platform(args.device)
+        self.args = args
+        self.model_config = resolve_model_config(args, platform)
+        self.max_model_len = self.model_config.max_model_len
+        self.runner = PoolingRunner(self.model_config, platform.device())
+        self.token_budget = max(args.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET,
+                                self.max_model_len)
+        self.max_num_seqs = args.max_num_seqs
+        self.waiting: deque[EngineCoreRequest] = deque()
+        self.aborted: set[str] = set()
+        self.num_finished = 0
+        self.ready = EngineReady(
+            num_blocks=0, block_size=args.block_size, max_num_batched_tokens=self.token_budget,
+            platform=platform.name, attention_backend="pooling (no KV cache)",
+            async_scheduling=False, startup_seconds=time.perf_counter() - start)
+        logger.info("pooling engine core ready in %.1f s: %s (%s, %s), pooling %s%s",
+                    self.ready.startup_seconds, self.model_config.architecture,
+                    self.model_config.dtype, platform.name,
+                    self.runner.pooler_config.pooling_type,
+                    ", normalized" if self.runner.pooler_config.normalize else "")
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        if req.pooling_params is None:
+            raise ValueError(f"request {req.request_id!r} has no PoolingParams: this engine runs "
+                             "a pooling model")
+        self.aborted.discard(req.request_id)
+        self.waiting.append(req)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        waiting = {r.request_id for r in self.waiting}
+        self.aborted.update(i for i in request_ids if i in waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting)
+
+    # ---- stepping ----------------------------------------------------------------------
+    def schedule(self) -> list[EngineCoreRequest]:
+        """Waiting requests, first come first served, up to the token budget and max_num_seqs."""
+        batch: list[EngineCoreRequest] = []
+        tokens = 0
+        while self.waiting and len(batch) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.request_id in self.aborted:
+                self.waiting.popleft()
+                self.aborted.discard(req.request_id)
+                continue
+            n = len(req.prompt_token_ids)
+            if batch and tokens + n > self.token_budget:
+                break
+            batch.append(self.waiting.popleft())
+            tokens += n
+        return batch
+
+    def step(self) -> EngineCoreOutputs:
+        batch = self.schedule()
+        if not batch:
+            return EngineCoreOutputs(timestamp=time.time())
+        now = time.time()
+        vectors = self.runner.run([r.prompt_token_ids for r in batch],
+                                  [r.pooling_params for r in batch])  # type: ignore[misc]
+        self.num_finished += len(batch)
+        outputs = [EngineCoreOutput(r.request_id, finish_reason="stop", first_scheduled_time=now,
+                                    num_cached_tokens=0, pooled=v.numpy().tobytes())
+                   for r, v in zip(batch, vectors)]
+        return EngineCoreOutputs(outputs, time.time())
+
+    # ---- introspection -----------------------------------------------------------------
+    def scheduler_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_waiting=len(self.waiting),
+                              num_unfinished_requests=len(self.waiting))
+
+    def stats(self) -> dict[str, Any]:
+        import msgspec
+
+        return msgspec.structs.asdict(self.scheduler_stats())
+
+    def idle_report(self) -> dict[str, int]:
+        return {"has_work": int(self.has_work()), "num_free_blocks": 0, "num_total_blocks": 0,
+                "requests_holding_blocks": 0}
+
+    def get_ready(self) -> EngineReady:
+        return self.ready
+
+    def pooler_info(self) -> dict[str, Any]:
+        """What the front end checks requests against (a utility call from another process)."""
+        cfg = self.runner.pooler_config
+        return {"pooling_type": cfg.pooling_type, "normalize": cfg.normalize,
+                "matryoshka": cfg.matryoshka, "num_labels": self.runner.num_labels}
+
+    def reset_prefix_cache(self) -> bool:
+        return True  # nothing is cached
+
+    def shutdown(self) -> None:
+        pass
