@@ -56,10 +56,14 @@ class PoolingBatch:
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """[T, ...] -> [B, max_len, ...] (zeros where there is no token)."""
+        if self.key_mask is None:  # every prompt is max_len long: already in place
+            return x.view(self.num_seqs, self.max_len, *x.shape[1:])
         out = x.new_zeros((self.num_seqs * self.max_len, *x.shape[1:]))
         out.index_copy_(0, self.pad_index, x)
         return out.view(self.num_seqs, self.max_len, *x.shape[1:])
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """[B, max_len, ...] -> [T, ...]."""
+        if self.key_mask is None:
+            return x.reshape(self.num_seqs * self.max_len, *x.shape[2:])
         return x.reshape(self.num_seqs * self.max_len, *x.shape[2:]).index_select(0, self.pad_index)
