@@ -19,7 +19,7 @@ from torch import nn
 from ember import kernels
 from ember.kernels import dispatch
 from ember.layers.sampling_metadata import GREEDY_EPS, SamplingMetadata, pad_token_ids
-from ember.structured_output.bitmask import apply_token_bitmask
+from ember.structured_output.bitmask import apply_token_bitmask_
 
 # Up to this many rows the chunked argmax kernel beats torch's one-block-per-row reduction, which
 # leaves most SMs idle when there are few rows.
@@ -187,7 +187,9 @@ class Sampler(nn.Module):
         logits = logits.float()
         if md.grammar_bitmask is not None:
             # Structured outputs first (as vLLM): logprobs and every later step see the mask.
-            logits = apply_token_bitmask(logits, md.grammar_bitmask, md.grammar_rows)
+            # In place: the caller's logits are made for sampling (a copy costs as much again).
+            logits = apply_token_bitmask_(logits, md.grammar_bitmask, md.grammar_rows,
+                                          md.grammar_row_list)
         # vLLM v1's default: logprobs describe the model's own distribution (raw logits).
         raw_logprobs = None
         if md.max_num_logprobs is not None:

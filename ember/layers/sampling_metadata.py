@@ -42,10 +42,12 @@ class SamplingMetadata:
     max_top_k: int = 0  # largest enabled top_k (lets top-k-only rows use topk(), not a sort)
     prompt_ids_padded: torch.Tensor | None = None  # [B, Lp] int64, padded with V
     output_ids_padded: torch.Tensor | None = None  # [B, Lo] int64, padded with V
-    # Structured outputs: rows sampling under a grammar ([G] int64) and their token bitmask
-    # ([G, ceil(V / 32)] int32, ember.structured_output.bitmask's layout), on the device.
-    grammar_rows: torch.Tensor | None = None
+    # Structured outputs: the token bitmask ([B, ceil(V / 32)] int32 on the device, layout in
+    # ember.structured_output.bitmask), applied in place to rows `grammar_rows` ([G] int64 on the
+    # device; `grammar_row_list` the same on the host) or to every row when those are None.
     grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: torch.Tensor | None = None
+    grammar_row_list: list[int] | None = None
 
     @property
     def no_penalties(self) -> bool:

@@ -330,20 +330,24 @@ class ModelRunner:
         step.attach_samples(rows, sampled.sampled_token_ids, sampled.logprobs)
 
     def _attach_grammar(self, metadata, rows: list, grammar: GrammarBitmask) -> None:
-        """Structured outputs: the scheduler's bitmask rows, matched to this step's logits rows
-        and copied to the device without blocking."""
+        """Structured outputs: the scheduler's bitmask rows laid out as this step's logits rows
+        (rows without a grammar allow everything) and copied to the device without blocking."""
         index = {state.req_id: i for i, state in enumerate(rows)}
         pairs = [(index[req_id], j) for j, req_id in enumerate(grammar.req_ids) if req_id in index]
         if not pairs:
             return
         bitmask = grammar.bitmask
-        if len(pairs) != len(bitmask) or any(j != k for k, (_, j) in enumerate(pairs)):
-            bitmask = bitmask[[j for _, j in pairs]]
+        row_list = [i for i, _ in pairs]
+        if row_list != list(range(len(rows))) or len(bitmask) != len(rows):
+            full = torch.full((len(rows), bitmask.shape[1]), -1, dtype=torch.int32)
+            full[row_list] = bitmask[[j for _, j in pairs]]
+            bitmask = full
+            metadata.grammar_row_list = row_list
+            metadata.grammar_rows = to_device(row_list, torch.int64, self.device)
         pin = self.device.type == "cuda"
         if pin:
             bitmask = bitmask.pin_memory()
         metadata.grammar_bitmask = bitmask.to(self.device, non_blocking=pin)
-        metadata.grammar_rows = to_device([i for i, _ in pairs], torch.int64, self.device)
 
     def _prompt_logprobs(
         self, batch: FlatBatch, hidden: torch.Tensor, out: SchedulerOutput, result
