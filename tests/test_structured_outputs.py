@@ -1,0 +1,266 @@
+"""Structured outputs through LLM.generate on the default model: JSON schemas (210 of real-world
+shapes, every output validated by jsonschema), regex, choice, EBNF/Lark grammars and JSON objects,
+through both built-in grammar backends; invalid constraints refused when added; n > 1, batching
+with unconstrained requests, async scheduling with preemption and prefix hits, the engine core
+in its own process; and the bitmask applied on the device (CPU here, CUDA under -m gpu).
+
+Requests are batched into few generate calls, and the schemas force short outputs, so the module
+stays quick on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from conftest import assert_all_blocks_free
+from structured_output_schemas import generate_schemas
+
+from ember import LLM, SamplingParams, StructuredOutputsParams
+from ember.core.messages import EngineCoreRequest, add_decoder, encoder
+
+SCHEMAS = generate_schemas(210)
+FORMAT_CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
+
+REGEXES = [r"\d{3}-\d{4}", r"(yes|no), because [a-z]{2,8}", r"[A-Z][a-z]{1,6} [0-9]{1,2}",
+           r"#[0-9a-f]{6}"]
+CHOICES = [["Paris", "London", "Berlin"], ["positive", "negative", "neutral"], ["a", "ab", "abc"]]
+# The same language twice: GBNF (xgrammar's and llguidance's) and Lark.
+GBNF = 'root ::= "SELECT " col (", " col)? " FROM " tbl\ncol ::= "id" | "name" | "age"\n' \
+       'tbl ::= "users" | "orders"'
+LARK = 'start: "SELECT " col (", " col)? " FROM " tbl\ncol: "id" | "name" | "age"\n' \
+       'tbl: "users" | "orders"'
+SQL = re.compile(r"SELECT (id|name|age)(, (id|name|age))? FROM (users|orders)")
+
+
+def _so(**kwargs) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**kwargs)
+
+
+def _params(so: StructuredOutputsParams, i: int, max_tokens: int = 200, **kwargs) -> SamplingParams:
+    """Greedy for even i, sampled (seeded) for odd i."""
+    temperature = 0.0 if i % 2 == 0 else 0.8
+    return SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens,
+                          structured_outputs=so, **kwargs)
+
+
+def _check_json(schema: dict, text: str) -> None:
+    jsonschema.validate(json.loads(text), schema, format_checker=FORMAT_CHECKER)
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def llm(request):
+    engine = LLM(max_model_len=1024, structured_outputs_config={"backend": request.param})
+    yield engine
+    engine.shutdown()
+
+
+def test_json_schemas_validate(llm):
+    """The 210 schemas (xgrammar, the default backend; every other one through guidance, to keep
+    the module quick) in one batch with unconstrained requests, greedy and sampled: every output
+    parses, validates and ends by the grammar's end (finish_reason "stop", not max_tokens)."""
+    backend = llm.llm_engine.model_config.structured_outputs.backend
+    schemas = SCHEMAS if backend == "xgrammar" else SCHEMAS[::2]
+    params = [_params(_so(json=s, disable_any_whitespace=True), i) for i, s in enumerate(schemas)]
+    plain = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 4
+    outs = llm.generate(["Answer with a JSON value:"] * len(schemas) + ["Hello"] * 4,
+                        params + plain, use_tqdm=False)
+    failures = []
+    for schema, out in zip(schemas, outs):
+        completion = out.outputs[0]
+        try:
+            assert completion.finish_reason == "stop", completion.finish_reason
+            _check_json(schema, completion.text)
+        except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
+            failures.append((json.dumps(schema), completion.text, str(exc)[:200]))
+    assert not failures, f"{len(failures)} of {len(schemas)} outputs fail:\n" + "\n".join(
+        map(str, failures[:5]))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs[len(schemas):])
+    assert_all_blocks_free(llm)
+
+
+def test_regex_choice_grammar_and_json_object(llm):
+    """One batch: regexes fullmatch, choices are one of the choices (n = 3 each, so sampled
+    children differ yet all obey), GBNF and Lark grammars parse, json_object outputs are JSON
+    objects; each ends by its grammar's end well before max_tokens."""
+    jobs = [(_so(regex=r), lambda t, r=r: re.fullmatch(r, t)) for r in REGEXES]
+    jobs += [(_so(choice=c), lambda t, c=c: t in c) for c in CHOICES]
+    jobs += [(_so(grammar=g), SQL.fullmatch) for g in (GBNF, LARK)]
+    jobs += [(_so(json_object=True, disable_any_whitespace=True),
+              lambda t: isinstance(json.loads(t), dict))]
+    params = [_params(so, i, max_tokens=120, n=3 if so.kind == "choice" else 1)
+              for i, (so, _) in enumerate(jobs)]
+    outs = llm.generate(["Answer:"] * len(jobs), params, use_tqdm=False)
+    for (so, check), out in zip(jobs, outs):
+        assert len(out.outputs) == (3 if so.kind == "choice" else 1)
+        for completion in out.outputs:
+            assert completion.finish_reason == "stop", (so, completion.text)
+            assert check(completion.text), (so, completion.text)
+            assert len(completion.token_ids) < 120
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("so, problem", [
+    (dict(json={"type": "foo"}), "foo"),
+    (dict(json='{"type": "object"'), "not valid JSON"),
+    (dict(regex="(ab"), "regex"),
+    (dict(grammar='root ::= "a" undefined_rule'), "undefined_rule"),
+])
+def test_invalid_constraints_are_value_errors(llm, so, problem):
+    """Refused when the request is added (the server turns it into a 400), naming the problem;
+    nothing is left in the engine."""
+    with pytest.raises(ValueError, match=re.escape(problem)) as info:
+        llm.generate(["x"], SamplingParams(structured_outputs=_so(**so)), use_tqdm=False)
+    assert "structured_outputs" in str(info.value)
+    assert_all_blocks_free(llm)
+
+
+def test_params_take_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a")
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    # A dict is taken for SamplingParams.structured_outputs too (JSON bodies, the core's wire).
+    params = SamplingParams(structured_outputs={"regex": "a+"})
+    assert params.structured_outputs == StructuredOutputsParams(regex="a+")
+
+
+def test_params_cross_the_process_boundary():
+    """The spec travels in the core's msgspec message (EngineCoreRequest), backend included."""
+    so = _so(json={"type": "object", "properties": {"a": {"type": "integer"}}},
+             disable_any_whitespace=True)
+    so._backend = "guidance"
+    req = EngineCoreRequest("r", [1, 2], SamplingParams(structured_outputs=so), [2], 0.0)
+    back = add_decoder.decode(encoder.encode([req]))[0].sampling_params.structured_outputs
+    assert back == so and back._backend == "guidance"
+
+
+def test_auto_backend_falls_back_to_guidance_and_caches_grammars():
+    """backend "auto": xgrammar, or guidance for a schema xgrammar would not enforce (vLLM's
+    rule); explicit xgrammar refuses that schema by name. Equal specs compile once."""
+    from ember.structured_output.config import StructuredOutputsConfig
+    from ember.structured_output.interface import GrammarSpec
+    from ember.structured_output.validation import select_backend
+
+    odd = GrammarSpec.of(_so(json={"type": "integer", "multipleOf": 3}))
+    assert select_backend(odd, "auto") == "guidance"
+    with pytest.raises(ValueError, match="multipleOf"):
+        select_backend(odd, "xgrammar")
+    assert select_backend(GrammarSpec.of(_so(regex="a+")), "auto") == "xgrammar"
+    with pytest.raises(ValueError, match="known: auto, guidance, xgrammar"):
+        StructuredOutputsConfig(backend="nope").validate()
+
+
+def test_async_scheduling_preemption_and_prefix_hits_keep_outputs():
+    """Greedy structured outputs are the same tokens with async scheduling, a KV cache so small
+    that requests are preempted (and recomputed) and a shared prompt prefix (cache hits), as in a
+    plain synchronous run; the grammar never sees a stale state."""
+    prompt = "You are a helpful assistant. Reply with the JSON record asked for. Record:"
+    jobs = [_so(json=s, disable_any_whitespace=True) for s in SCHEMAS[:12]]
+    jobs += [_so(choice=c) for c in CHOICES] + [_so(regex=r) for r in REGEXES]
+    params = [SamplingParams(temperature=0.0, max_tokens=150, structured_outputs=so)
+              for so in jobs]
+    plain = LLM(max_model_len=256, async_scheduling=False)
+    expected = [o.outputs[0].token_ids for o in plain.generate([prompt] * len(jobs), params,
+                                                                use_tqdm=False)]
+    plain.shutdown()
+    tight = LLM(max_model_len=256, async_scheduling=True, num_gpu_blocks_override=24)
+    outs = tight.generate([prompt] * len(jobs), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert any(o.num_cached_tokens > 0 for o in outs)
+    assert_all_blocks_free(tight)
+    tight.shutdown()
+
+
+def test_engine_core_in_its_own_process():
+    """The spec crosses to a core process; the front end refuses a bad one before it goes."""
+    from ember.config import EngineArgs
+    from ember.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(max_model_len=256), multiprocess=True)
+    try:
+        schema = SCHEMAS[3]
+        sos = [_so(json=schema, disable_any_whitespace=True), _so(choice=CHOICES[1]),
+               _so(regex=REGEXES[0])]
+        for i, so in enumerate(sos):
+            engine.add_request(str(i), "Answer:", _params(so, i, n=2))
+        with pytest.raises(ValueError, match="regex"):
+            engine.add_request("bad", "Answer:", SamplingParams(structured_outputs=_so(regex="(")))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        _check_json(schema, done["0"].outputs[0].text)
+        assert all(c.text in CHOICES[1] for c in done["1"].outputs)
+        assert all(re.fullmatch(REGEXES[0], c.text) for c in done["2"].outputs)
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_bitmask_matches_xgrammar_kernel():
+    """ember's device path (byte-table unpacking) and xgrammar's CPU kernel mask alike, for every
+    row and for a subset of rows, with a vocabulary that is no multiple of 32."""
+    import xgrammar as xgr
+
+    from ember.structured_output.bitmask import apply_token_bitmask_, unpack_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000
+    logits = torch.randn(6, vocab, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (6, 32), dtype=torch.int32, generator=gen)
+    for rows in (None, [4, 0, 3]):
+        ref = logits.clone()
+        xgr.apply_token_bitmask_inplace(ref, bitmask, vocab_size=vocab, indices=rows)
+        ours = apply_token_bitmask_(logits.clone(), bitmask,
+                                    None if rows is None else torch.tensor(rows), rows)
+        assert torch.equal(ours, ref)
+        torch_path = logits.clone()
+        index = list(range(6)) if rows is None else rows
+        torch_path[index] = torch_path[index].masked_fill_(
+            ~unpack_bitmask(bitmask[index], vocab), float("-inf"))
+        assert torch.equal(torch_path, ref)
+
+
+@pytest.mark.gpu
+def test_bitmask_on_cuda_matches_cpu():
+    """The CUDA path masks exactly as the CPU kernel does, without a host sync."""
+    from ember.structured_output.bitmask import apply_token_bitmask_
+
+    gen = torch.Generator().manual_seed(1)
+    vocab = 151_936
+    logits = torch.randn(64, vocab, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (64, (vocab + 31) // 32), dtype=torch.int32,
+                            generator=gen)
+    rows = [1, 5, 9, 63]
+    ref = apply_token_bitmask_(logits.clone(), bitmask, torch.tensor(rows), rows)
+    cuda = logits.cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = apply_token_bitmask_(cuda, bitmask.cuda(), torch.tensor(rows).cuda())
+        full = apply_token_bitmask_(logits.cuda(), bitmask.cuda())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out.cpu(), ref)
+    assert torch.equal(full.cpu(), apply_token_bitmask_(logits.clone(), bitmask))
+
+
+@pytest.mark.gpu
+def test_structured_outputs_on_cuda():
+    """JSON schemas and choices on CUDA (async scheduling on by default there)."""
+    llm = LLM(max_model_len=512, device="cuda")
+    params = [_params(_so(json=s, disable_any_whitespace=True), i)
+              for i, s in enumerate(SCHEMAS[:64])]
+    outs = llm.generate(["Answer with a JSON value:"] * 64, params, use_tqdm=False)
+    for schema, out in zip(SCHEMAS, outs):
+        assert out.outputs[0].finish_reason == "stop"
+        _check_json(schema, out.outputs[0].text)
+    assert_all_blocks_free(llm)
