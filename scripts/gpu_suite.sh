@@ -3,6 +3,7 @@
 # engine benchmarks, each part under its own time limit.
 # Usage: scripts/gpu_suite.sh [PART...]   (wheels from .whl/ installed first; results under $OUT)
 # Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 linear linearpdl latency
+# structured
 # (default: the first six; ceilings also gives the shipped models' limits; profile1 profiles
 # batch-1 decode of SmolLM2 and Llama-8B; linear times the small-batch linear kernel against
 # cuBLAS; linearpdl: its configs with PDL off and on, alone and after a norm; latency times
@@ -57,6 +58,11 @@ for part in $PARTS; do
                  --out "$OUT/small_batch_linear_norm.json" ;;
     latency) stage decode_latency 150 python3 -m ember.bench.decode_latency \
                --out "$OUT/decode_latency.json" ;;
+    # Structured outputs' cost: Qwen3-0.6B shape, dummy weights, the default model's tokenizer
+    # (a word tokenizer cannot spell JSON); the directory is made by scripts/gpu_tokenizer_dir.sh.
+    structured) stage structured 200 python3 -m ember.bench.structured \
+                  --model gpu_tok/qwen3-0.6b-smoltok --load-format dummy --num-prompts 256 \
+                  --max-model-len 2048 --compact --out "$OUT/structured.json" ;;
     kernels) stage kernels 60 python3 -m ember.bench.attention_kernels --quick --block-sizes 16 \
                --out "$OUT/kernels.json" ;;
     *) echo "unknown part $part" ;;

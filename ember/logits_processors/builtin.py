@@ -124,7 +124,7 @@ class AllowedTokenIdsLogitsProcessor(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         banned = torch.zeros_like(logits, dtype=torch.bool)
-        banned[self.rows] = True
+        banned.index_fill_(0, self.rows, True)  # `banned[rows] = True` would sync (CUDA)
         banned.index_put_(self.allowed, banned.new_zeros(()))
         return logits.masked_fill_(banned, float("-inf"))
 

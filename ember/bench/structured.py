@@ -1,0 +1,165 @@
+"""``python -m ember.bench.structured``: what structured outputs cost, same run.
+
+N chat requests, each constrained by one of a set of real-world JSON schemas (greedy), against
+the same requests unconstrained, each generating exactly as many tokens as its constrained twin
+(`ignore_eos`, `max_tokens` = that count), so both runs do the same work apart from the grammar.
+The constrained run is timed a second time, once every grammar is compiled (the first run is
+the warm-up). Also the compile time of each schema on a cold backend (p50/p99).
+--out writes the results as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from ember.bench.provenance import git_commit
+
+SCHEMAS: list[dict] = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                                      "email": {"type": "string", "maxLength": 40}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {
+        "street": {"type": "string", "maxLength": 30}, "city": {"type": "string", "maxLength": 20},
+        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+        "country": {"type": "string", "enum": ["FR", "DE", "US", "JP"]}},
+     "required": ["street", "city", "country"]},
+    {"type": "object", "properties": {
+        "order_id": {"type": "string", "pattern": "^ORD-[0-9]{4}$"},
+        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+            "type": "object", "properties": {"sku": {"type": "string", "maxLength": 8},
+                                             "qty": {"type": "integer", "minimum": 1,
+                                                     "maximum": 9}},
+            "required": ["sku", "qty"]}},
+        "total": {"type": "number", "minimum": 0, "maximum": 10000}},
+     "required": ["order_id", "items"]},
+    {"type": "object", "properties": {
+        "event": {"type": "string", "maxLength": 24},
+        "level": {"type": "string", "enum": ["low", "medium", "high"]},
+        "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 10}},
+        "resolved": {"type": "boolean"}},
+     "required": ["event", "level", "resolved"]},
+    {"$defs": {"point": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": -100, "maximum": 100},
+        "y": {"type": "integer", "minimum": -100, "maximum": 100}}, "required": ["x", "y"]}},
+     "type": "object", "properties": {"start": {"$ref": "#/$defs/point"},
+                                      "end": {"$ref": "#/$defs/point"},
+                                      "label": {"anyOf": [{"type": "string", "maxLength": 12},
+                                                          {"type": "null"}]}},
+     "required": ["start", "end"]},
+    {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 30},
+        "rating": {"type": "number", "minimum": 0, "maximum": 5},
+        "genres": {"type": "array", "minItems": 1, "maxItems": 2,
+                   "items": {"type": "string", "enum": ["drama", "comedy", "action", "sci-fi"]}}},
+     "required": ["title", "rating", "genres"]},
+]
+THINGS = ["a person", "an address", "an order", "an incident", "a line segment", "a film"]
+
+
+def _compile_times(llm, backend_name: str) -> dict:
+    from ember.sampling_params import StructuredOutputsParams
+    from ember.structured_output.config import StructuredOutputsConfig
+    from ember.structured_output.interface import GrammarSpec
+    from ember.structured_output.validation import resolve_backend_class, select_backend
+
+    config = StructuredOutputsConfig(backend=backend_name)
+    tokenizer = llm.get_tokenizer()
+    vocab = llm.llm_engine.model_config.vocab_size
+    times, names = [], set()
+    for schema in SCHEMAS:
+        spec = GrammarSpec.of(StructuredOutputsParams(json=schema), config)
+        name = select_backend(spec, backend_name)
+        names.add(name)
+        backend = resolve_backend_class(name)(tokenizer, vocab, config)  # cold: a new compiler
+        start = time.perf_counter()
+        backend.compile(spec)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return {"backends": sorted(names), "p50_ms": 1000 * statistics.median(times),
+            "p99_ms": 1000 * times[min(len(times) - 1, int(0.99 * len(times)))],
+            "max_ms": 1000 * times[-1], "schemas": len(times)}
+
+
+def run(ns: argparse.Namespace) -> dict:
+    from ember import LLM, SamplingParams
+    from ember.sampling_params import StructuredOutputsParams
+
+    llm = LLM(ns.model, max_model_len=ns.max_model_len, load_format=ns.load_format,
+              structured_outputs_config={"backend": ns.backend})
+    tokenizer = llm.get_tokenizer()
+    prompts = []
+    for i in range(ns.num_prompts):
+        messages = [{"role": "user", "content": f"Give {THINGS[i % len(THINGS)]} as JSON "
+                                                f"(example {i})."}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding
+            ids = ids["input_ids"]
+        prompts.append({"prompt_token_ids": list(ids)})
+    constrained = [SamplingParams(temperature=0, max_tokens=ns.max_tokens,
+                                  structured_outputs=StructuredOutputsParams(
+                                      json=SCHEMAS[i % len(SCHEMAS)],
+                                      # Random weights would fill JSON's optional whitespace.
+                                      disable_any_whitespace=ns.compact))
+                   for i in range(ns.num_prompts)]
+    compile_stats = _compile_times(llm, ns.backend)
+    llm.generate(prompts, constrained, use_tqdm=False)  # warm-up: every grammar compiled
+    start = time.perf_counter()
+    outs = llm.generate(prompts, constrained, use_tqdm=False)
+    constrained_s = time.perf_counter() - start
+    counts = [len(o.outputs[0].token_ids) for o in outs]
+    valid = sum(_is_json(o.outputs[0].text) for o in outs)
+    plain = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in counts]
+    llm.generate(prompts, plain, use_tqdm=False)
+    start = time.perf_counter()
+    plain_outs = llm.generate(prompts, plain, use_tqdm=False)
+    plain_s = time.perf_counter() - start
+    assert [len(o.outputs[0].token_ids) for o in plain_outs] == counts
+    tokens = sum(counts)
+    result = {
+        "commit": git_commit(), "model": ns.model or "SmolLM2-135M-Instruct (default)",
+        "platform": llm.platform, "backend_setting": ns.backend, "requests": ns.num_prompts,
+        "output_tokens": tokens, "outputs_valid_json": valid,
+        "constrained_tok_s": tokens / constrained_s, "unconstrained_tok_s": tokens / plain_s,
+        "constrained_over_unconstrained": plain_s / constrained_s,
+        "compile": compile_stats,
+    }
+    llm.shutdown()
+    return result
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
+    parser.add_argument("--load-format", default="auto",
+                        help="dummy: random weights (a config dir with a tokenizer)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--backend", default="auto", help="auto, xgrammar, guidance, ...")
+    parser.add_argument("--compact", action="store_true",
+                        help="disable_any_whitespace (needed with dummy weights)")
+    parser.add_argument("--out", default=None)
+    ns = parser.parse_args(argv)
+    result = run(ns)
+    print(json.dumps(result, indent=1))
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
