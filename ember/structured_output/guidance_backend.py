@@ -104,9 +104,18 @@ class GuidanceBackend(StructuredOutputBackend):
             raise ValueError(f"guidance cannot compile the {spec.kind}: {error.strip()}")
 
     def __init__(self, tokenizer: Any, vocab_size: int, config: StructuredOutputsConfig) -> None:
+        import llguidance
         import llguidance.hf
+        import llguidance.torch
+        import torch
 
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, vocab_size)
+        # llguidance builds its token tables on the first mask it computes (seconds): do it here,
+        # on the grammar thread, rather than in the engine loop's first bitmask.
+        warm = llguidance.LLMatcher(self.ll_tokenizer, llguidance.grammar_from("regex", "a"),
+                                    log_level=0)
+        llguidance.torch.fill_next_token_bitmask(
+            warm, torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32), 0)
 
     def compile(self, spec: GrammarSpec) -> Any:
         return serialize(spec)  # llguidance builds its parser lazily, per matcher
