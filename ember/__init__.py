@@ -25,6 +25,12 @@ _LAZY = {
     "LLMEngine": "ember.engine.llm_engine:LLMEngine",
     "AsyncLLM": "ember.engine.async_llm:AsyncLLM",
     "ModelRegistry": "ember.registry:ModelRegistry",
+    # pooling models (ember.pooling)
+    "PoolingParams": "ember.pooling.params:PoolingParams",
+    "PoolingRequestOutput": "ember.pooling.outputs:PoolingRequestOutput",
+    "EmbeddingRequestOutput": "ember.pooling.outputs:EmbeddingRequestOutput",
+    "ClassificationRequestOutput": "ember.pooling.outputs:ClassificationRequestOutput",
+    "ScoringRequestOutput": "ember.pooling.outputs:ScoringRequestOutput",
 }
 
 __all__ = sorted(_LAZY)
@@ -36,6 +42,13 @@ if TYPE_CHECKING:
     from ember.entrypoints.llm import LLM  # noqa: F401
     from ember.inputs import TextPrompt, TokensPrompt  # noqa: F401
     from ember.outputs import CompletionOutput, RequestOutput  # noqa: F401
+    from ember.pooling.outputs import (  # noqa: F401
+        ClassificationRequestOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        ScoringRequestOutput,
+    )
+    from ember.pooling.params import PoolingParams  # noqa: F401
     from ember.registry import ModelRegistry  # noqa: F401
     from ember.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: F401
 

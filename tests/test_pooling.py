@@ -76,6 +76,10 @@ def test_minilm_equals_sentence_transformers_batched_and_alone(minilm, st_refere
 
 
 def test_minilm_params_score_and_encode(minilm, st_reference):
+    import ember
+
+    assert ember.PoolingParams is PoolingParams
+    assert isinstance(minilm.embed("a", use_tqdm=False)[0], ember.EmbeddingRequestOutput)
     raw = _embs(minilm.embed(SENTENCES[:4], PoolingParams(normalize=False), use_tqdm=False))
     assert torch.allclose(F.normalize(raw, dim=1), st_reference[:4], atol=1e-5)
     assert not torch.allclose(raw.norm(dim=1), torch.ones(4))
@@ -256,3 +260,38 @@ def test_decoder_score_head_matches_transformers(tmp_path, arch):
         for p, out in zip(PROMPTS, outs):
             logits = hf(torch.tensor([p])).logits[0]
             assert torch.allclose(torch.tensor(out.outputs.probs), logits.softmax(-1), atol=1e-5)
+
+
+def test_pooler_plugin_from_plugins_md(tmp_path):
+    """The docs' `max` pooler, registered by name, serves a checkpoint whose sentence-transformers
+    config asks for max pooling; sentence-transformers (which has max pooling) agrees."""
+    import json
+    import os
+    import re
+    from pathlib import Path
+
+    from ember.registry import PoolerRegistry, isolated
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text("utf-8")
+    block = re.search(r"```python\n(# my_plugin/pooling.py.*?)```", text, re.S).group(1)
+    namespace: dict = {"__name__": "plugins_md_pooling"}
+    exec(compile(block, "plugins.md:pooling", "exec"), namespace)  # noqa: S102
+    src = Path(minilm_dir())
+    model = tmp_path / "minilm-max"
+    model.mkdir()
+    for item in src.iterdir():
+        if item.name != "1_Pooling":
+            os.symlink(item, model / item.name)
+    (model / "1_Pooling").mkdir()
+    cfg = json.loads((src / "1_Pooling" / "config.json").read_text())
+    cfg.update(pooling_mode_mean_tokens=False, pooling_mode_max_tokens=True)
+    (model / "1_Pooling" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="'max' pooling"):
+        LLM(model=str(model))
+    st = pytest.importorskip("sentence_transformers")
+    want = torch.tensor(st.SentenceTransformer(str(model), device="cpu").encode(SENTENCES[:6]))
+    with isolated():
+        PoolerRegistry.register_pooler("max", namespace["max_pool"])
+        llm = LLM(model=str(model))
+        got = _embs(llm.embed(SENTENCES[:6], use_tqdm=False))
+    assert F.cosine_similarity(got, want).min() >= 0.99999

@@ -257,7 +257,8 @@ def score(llm: LLM, text_1, text_2, truncate_prompt_tokens=None, use_tqdm=True,
     import torch.nn.functional as F
 
     uniq = list(dict.fromkeys(t1 + t2))
-    embs = run_pooling(llm, uniq, None, truncate_prompt_tokens, "embed", use_tqdm)
+    # normalize does not change a cosine; dimensions does (Matryoshka), as in vLLM.
+    embs = run_pooling(llm, uniq, pooling_params, truncate_prompt_tokens, "embed", use_tqdm)
     by_text = {t: o for t, o in zip(uniq, embs)}
     out = []
     for a, b in zip(t1, t2):

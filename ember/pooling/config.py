@@ -5,7 +5,7 @@ architectures registered with capability runner="pooling" (encoder-only BERT) an
 `*ForSequenceClassification`; a causal LM runs as a pooling model only when asked.
 
 `PoolerConfig.from_checkpoint`: sentence-transformers' `modules.json` names the Pooling module
-(its `config.json` gives the mode: cls, mean or lasttoken) and a Normalize module (normalize);
+(its `config.json` gives the mode, a PoolerRegistry name) and a Normalize module (normalize);
 without it the model class's default pooling applies and embeddings are normalized (vLLM's
 default). `is_matryoshka` / `matryoshka_dimensions` in config.json allow `dimensions`.
 """
@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 RUNNERS = ("auto", "generate", "pooling")
+# sentence-transformers' Pooling flags -> PoolerRegistry names (a plugin may add the last three).
 _ST_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
-             "pooling_mode_lasttoken": "last"}
-_ST_REFUSED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
-               "pooling_mode_weightedmean_tokens")
+             "pooling_mode_lasttoken": "last", "pooling_mode_max_tokens": "max",
+             "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+             "pooling_mode_weightedmean_tokens": "weightedmean"}
 
 
 def resolve_runner(requested: str, arch: str) -> str:
@@ -78,13 +79,15 @@ class PoolerConfig:
 
 
 def _st_pooling_mode(config_path: str) -> str:
+    from ember.registry import PoolerRegistry
+
     cfg = _read_json(config_path) or {}
-    refused = [k for k in _ST_REFUSED if cfg.get(k)]
-    if refused:
-        raise ValueError(f"sentence-transformers pooling {', '.join(refused)} ({config_path}) "
-                         "is not supported; ember pools with cls, mean or lasttoken")
     modes = [mode for key, mode in _ST_MODES.items() if cfg.get(key)]
     if len(modes) != 1:
         raise ValueError(f"{config_path}: expected exactly one pooling mode of "
                          f"{', '.join(_ST_MODES)}, got {modes or 'none'}")
+    if modes[0] not in PoolerRegistry:
+        raise ValueError(f"{config_path} asks for {modes[0]!r} pooling, which no registered "
+                         f"pooler provides (registered: {', '.join(PoolerRegistry.names())}); a "
+                         "plugin can add it with the ember_register_poolers hook")
     return modes[0]

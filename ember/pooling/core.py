@@ -32,11 +32,14 @@ DEFAULT_TOKEN_BUDGET = 16384
 
 def make_engine_core(args: EngineArgs):
     """The EngineCore for a generating model, a PoolingEngineCore for a pooling one."""
-    from ember.engine.llm_engine import resolve_front_end_config
+    if args.runner != "generate":
+        from ember.config import resolve_model_config
+        from ember.platforms import resolve_platform
+        from ember.plugins import load_plugins
 
-    if getattr(args, "runner", "auto") != "generate" and \
-            resolve_front_end_config(args).runner == "pooling":
-        return PoolingEngineCore(args)
+        load_plugins()  # config.json only: the weights load in the core chosen
+        if resolve_model_config(args, resolve_platform(args.device)).runner == "pooling":
+            return PoolingEngineCore(args)
     from ember.core.engine_core import EngineCore
 
     return EngineCore(args)
