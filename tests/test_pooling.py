@@ -133,6 +133,20 @@ def test_matryoshka_dimensions():
         llm.embed(["a"], PoolingParams(dimensions=32), use_tqdm=False)
 
 
+def test_generate_requests_never_reach_or_break_the_pooling_core(minilm):
+    from ember.core.messages import EngineCoreRequest
+    from ember.sampling_params import SamplingParams
+
+    engine = minilm.llm_engine
+    with pytest.raises(ValueError, match="pooling model"):
+        engine.processor.process("r", "Hello", SamplingParams(max_tokens=2), 0.0)
+    core = engine.engine_core  # one sent anyway ends as "abort"; the core keeps serving
+    core.add_request(EngineCoreRequest("stray", [101, 102], SamplingParams(), [], 0.0))
+    out = core.step().outputs
+    assert [(o.request_id, o.finish_reason) for o in out] == [("stray", "abort")]
+    assert len(minilm.embed(["still fine"], use_tqdm=False)[0].outputs.embedding) == 384
+
+
 def test_core_in_its_own_process(monkeypatch, st_reference):
     monkeypatch.setenv("EMBER_ENGINE_PROCESS", "1")
     llm = LLM(model=minilm_dir())

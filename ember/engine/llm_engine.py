@@ -125,9 +125,6 @@ class LLMEngine(EngineControlMixin):
         """Queue a request; `priority` (lower first) needs scheduling_policy="priority"."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if self.model_config.runner == "pooling":
-            raise ValueError(f"{self.model_config.architecture} runs as a pooling model: it "
-                             "cannot generate text; use LLM.embed / classify / score / encode")
         self.check_awake()
         arrival_time = arrival_time or time.time()
         text, ids, params, core_requests = self.processor.process(

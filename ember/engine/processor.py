@@ -106,6 +106,9 @@ class InputProcessor:
         priority: int = 0,
     ) -> tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]:
         """(prompt text, prompt ids, the parent's params, one core request per child)."""
+        if self.model_config.runner == "pooling":  # LLM.generate, AsyncLLM and the server alike
+            raise ValueError(f"{self.model_config.architecture} runs as a pooling model: it "
+                             "cannot generate text; use LLM.embed / classify / score / encode")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")

@@ -64,6 +64,7 @@ class PoolingEngineCore:
                                 self.max_model_len)
         self.max_num_seqs = args.max_num_seqs
         self.waiting: deque[EngineCoreRequest] = deque()
+        self.rejected: list[str] = []  # generate requests that reached this core: aborted
         self.aborted: set[str] = set()
         self.num_finished = 0
         self.ready = EngineReady(
@@ -79,8 +80,12 @@ class PoolingEngineCore:
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.pooling_params is None:
-            raise ValueError(f"request {req.request_id!r} has no PoolingParams: this engine runs "
-                             "a pooling model")
+            # The front end refuses these; one that gets here ends as "abort", and the core
+            # (maybe serving other clients from its own process) keeps running.
+            logger.warning("request %s has no PoolingParams: this core runs a pooling model",
+                           req.request_id)
+            self.rejected.append(req.request_id)
+            return
         self.aborted.discard(req.request_id)
         self.waiting.append(req)
 
@@ -89,7 +94,7 @@ class PoolingEngineCore:
         self.aborted.update(i for i in request_ids if i in waiting)
 
     def has_work(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.waiting or self.rejected)
 
     # ---- stepping ----------------------------------------------------------------------
     def schedule(self) -> list[EngineCoreRequest]:
@@ -110,9 +115,11 @@ class PoolingEngineCore:
         return batch
 
     def step(self) -> EngineCoreOutputs:
+        rejected = [EngineCoreOutput(r, finish_reason="abort") for r in self.rejected]
+        self.rejected.clear()
         batch = self.schedule()
         if not batch:
-            return EngineCoreOutputs(timestamp=time.time())
+            return EngineCoreOutputs(rejected, timestamp=time.time())
         now = time.time()
         vectors = self.runner.run([r.prompt_token_ids for r in batch],
                                   [r.pooling_params for r in batch])  # type: ignore[misc]
@@ -120,7 +127,7 @@ class PoolingEngineCore:
         outputs = [EngineCoreOutput(r.request_id, finish_reason="stop", first_scheduled_time=now,
                                     num_cached_tokens=0, pooled=v.numpy().tobytes())
                    for r, v in zip(batch, vectors)]
-        return EngineCoreOutputs(outputs, time.time())
+        return EngineCoreOutputs(rejected + outputs, time.time())
 
     # ---- introspection -----------------------------------------------------------------
     def scheduler_stats(self) -> SchedulerStats:
