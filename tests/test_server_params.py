@@ -214,6 +214,27 @@ def test_bad_constraints_are_400_before_a_stream_starts(server, client):
     _bad(lambda: _greedy_ids(client, structured_outputs={"choice": ["a"], "nonsense": 1}),
          "structured_outputs")
     _bad(lambda: _greedy_ids(client, guided_whitespace_pattern=" "), "guided_whitespace_pattern")
+    _bad(lambda: _greedy_ids(client, guided_regex="([a-z"), "structured_outputs")
+    _bad(lambda: _greedy_ids(client, guided_grammar="root ::= (((("), "structured_outputs")
+    not_a_schema = [{"type": "function",
+                     "function": {"name": "f", "parameters": {"type": "no-such-type"}}}]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, max_tokens=2, tools=not_a_schema,
+                                       tool_choice="required",
+                                       messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_openai_parse_with_a_pydantic_model(client):
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        population: int = Field(ge=0, le=10**8)
+
+    out = client.chat.completions.parse(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City, max_tokens=80, temperature=0)
+    assert isinstance(out.choices[0].message.parsed, City)
     _bad(lambda: _greedy_ids(client, guided_choice=["a"], guided_decoding_backend="other"),
          "guided_decoding_backend")
 
