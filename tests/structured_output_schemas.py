@@ -29,7 +29,7 @@ def _string(rng: random.Random) -> dict[str, Any]:
         return {"type": "string", "pattern": rng.choice(PATTERNS)}
     if pick == 2:
         return {"type": "string", "format": rng.choice(FORMATS)}
-    return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 8)}
+    return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 6)}
 
 
 def _number(rng: random.Random) -> dict[str, Any]:
@@ -58,18 +58,18 @@ def _leaf(rng: random.Random) -> dict[str, Any]:
 
 
 def _array(rng: random.Random, depth: int) -> dict[str, Any]:
-    low = rng.randint(0, 2)
-    items = _object(rng, depth + 1, max_props=2) if depth < 2 and rng.random() < 0.4 else _leaf(rng)
-    return {"type": "array", "items": items, "minItems": low, "maxItems": low + rng.randint(0, 2)}
+    low = rng.randint(0, 1)
+    items = _object(rng, depth + 1, max_props=2) if depth < 1 and rng.random() < 0.4 else _leaf(rng)
+    return {"type": "array", "items": items, "minItems": low, "maxItems": low + rng.randint(0, 1)}
 
 
-def _object(rng: random.Random, depth: int = 0, max_props: int = 4) -> dict[str, Any]:
+def _object(rng: random.Random, depth: int = 0, max_props: int = 3) -> dict[str, Any]:
     names = rng.sample(NAMES, rng.randint(1, max_props))
     props: dict[str, Any] = {}
     for name in names:
         roll = rng.random()
         if depth < 2 and roll < 0.15:
-            props[name] = _object(rng, depth + 1, max_props=3)
+            props[name] = _object(rng, depth + 1, max_props=2)
         elif depth < 2 and roll < 0.3:
             props[name] = _array(rng, depth)
         else:
@@ -98,7 +98,7 @@ def _with_refs(rng: random.Random) -> dict[str, Any]:
         top["required"] = ["owner", "count"]
     else:
         top["properties"] = {"people": {"type": "array", "items": {"$ref": "#/$defs/person"},
-                                        "minItems": 1, "maxItems": 2},
+                                        "minItems": 1, "maxItems": 1},
                              "office": {"$ref": "#/$defs/address"}}
         top["required"] = ["people", "office"]
     return top

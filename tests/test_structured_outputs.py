@@ -161,15 +161,16 @@ def test_async_scheduling_preemption_and_prefix_hits_keep_outputs():
     that requests are preempted (and recomputed) and a shared prompt prefix (cache hits), as in a
     plain synchronous run; the grammar never sees a stale state."""
     prompt = "You are a helpful assistant. Reply with the JSON record asked for. Record:"
-    jobs = [_so(json=s, disable_any_whitespace=True) for s in SCHEMAS[:12]]
-    jobs += [_so(choice=c) for c in CHOICES] + [_so(regex=r) for r in REGEXES]
-    params = [SamplingParams(temperature=0.0, max_tokens=150, structured_outputs=so)
+    jobs = [_so(json=s, disable_any_whitespace=True) for s in SCHEMAS[:8]]
+    jobs += [_so(choice=c) for c in CHOICES] + [_so(regex=r) for r in REGEXES[:2]]
+    params = [SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=so)
               for so in jobs]
-    plain = LLM(max_model_len=256, async_scheduling=False)
+    plain = LLM(max_model_len=128, block_size=4, async_scheduling=False)
     expected = [o.outputs[0].token_ids for o in plain.generate([prompt] * len(jobs), params,
                                                                 use_tqdm=False)]
     plain.shutdown()
-    tight = LLM(max_model_len=256, async_scheduling=True, num_gpu_blocks_override=24)
+    # 32 blocks of 4 tokens: the prompt's blocks are shared, but 13 requests' own blocks are not.
+    tight = LLM(max_model_len=128, block_size=4, async_scheduling=True, num_gpu_blocks_override=32)
     outs = tight.generate([prompt] * len(jobs), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
@@ -242,11 +243,13 @@ def test_bitmask_on_cuda_matches_cpu():
                             generator=gen)
     rows = [1, 5, 9, 63]
     ref = apply_token_bitmask_(logits.clone(), bitmask, torch.tensor(rows), rows)
-    cuda = logits.cuda()
+    cuda, cuda2 = logits.cuda(), logits.cuda()
+    cuda_bitmask, cuda_rows = bitmask.cuda(), torch.tensor(rows).cuda()
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = apply_token_bitmask_(cuda, bitmask.cuda(), torch.tensor(rows).cuda())
-        full = apply_token_bitmask_(logits.cuda(), bitmask.cuda())
+        out = apply_token_bitmask_(cuda, cuda_bitmask, cuda_rows)
+        full = apply_token_bitmask_(cuda2, cuda_bitmask)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(out.cpu(), ref)
@@ -264,3 +267,41 @@ def test_structured_outputs_on_cuda():
         assert out.outputs[0].finish_reason == "stop"
         _check_json(schema, out.outputs[0].text)
     assert_all_blocks_free(llm)
+
+
+def test_a_compiling_grammar_blocks_no_one():
+    """While a request's grammar compiles (held here by a gate) it waits aside; a plain request
+    added after it runs to the end meanwhile; then the first one runs and obeys its grammar."""
+    import threading
+
+    from ember.config import EngineArgs
+    from ember.engine.llm_engine import LLMEngine
+    from ember.registry import GrammarBackendRegistry, isolated
+    from ember.structured_output.xgrammar_backend import XgrammarBackend
+
+    class Gated(XgrammarBackend):
+        gate = threading.Event()
+
+        def compile(self, spec):
+            assert Gated.gate.wait(120)
+            return super().compile(spec)
+
+    with isolated():
+        GrammarBackendRegistry.register_grammar_backend("gated", Gated)
+        engine = LLMEngine(EngineArgs(max_model_len=128,
+                                      structured_outputs_config={"backend": "gated"}))
+        try:
+            engine.add_request("so", "Answer:", _params(_so(choice=CHOICES[0]), 0))
+            engine.add_request("plain", "Hello", SamplingParams(max_tokens=4, ignore_eos=True))
+            done = {}
+            while "plain" not in done:
+                done.update((o.request_id, o) for o in engine.step() if o.finished)
+            assert "so" not in done and engine.has_unfinished_requests()
+            Gated.gate.set()
+            while engine.has_unfinished_requests():
+                done.update((o.request_id, o) for o in engine.step() if o.finished)
+            assert done["so"].outputs[0].text in CHOICES[0]
+            assert_all_blocks_free(engine)
+        finally:
+            Gated.gate.set()
+            engine.shutdown()
