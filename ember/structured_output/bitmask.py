@@ -17,8 +17,10 @@ def _byte_table(device: torch.device) -> torch.Tensor:
     """[256, 8] uint8: bit k of byte value b."""
     lut = _LUTS.get(device)
     if lut is None:
-        lut = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).to(torch.uint8)
-        lut = _LUTS[device] = lut.to(device)
+        # Built on the device itself: copying a host tensor there would sync (pageable memory).
+        values = torch.arange(256, device=device).unsqueeze(1)
+        lut = ((values >> torch.arange(8, device=device)) & 1).to(torch.uint8)
+        _LUTS[device] = lut
     return lut
 
 
