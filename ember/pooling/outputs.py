@@ -50,24 +50,25 @@ class PoolingRequestOutput(Generic[OutputT]):
     finished: bool = True
 
 
+def _vector(out: PoolingRequestOutput, what: str) -> list[float]:
+    data = out.outputs.data
+    if data.dim() != 1:
+        raise ValueError(f"{what} is one vector, got shape {tuple(data.shape)}")
+    return data.tolist()
+
+
 class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        data = out.outputs.data
-        if data.dim() != 1:
-            raise ValueError(f"an embedding is one vector, got shape {tuple(data.shape)}")
-        return cls(out.request_id, EmbeddingOutput(data.tolist()), out.prompt_token_ids,
-                   out.finished)
+        return cls(out.request_id, EmbeddingOutput(_vector(out, "an embedding")),
+                   out.prompt_token_ids, out.finished)
 
 
 class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
-        data = out.outputs.data
-        if data.dim() != 1:
-            raise ValueError(f"class probabilities are one vector, got {tuple(data.shape)}")
-        return cls(out.request_id, ClassificationOutput(data.tolist()), out.prompt_token_ids,
-                   out.finished)
+        return cls(out.request_id, ClassificationOutput(_vector(out, "a class distribution")),
+                   out.prompt_token_ids, out.finished)
 
 
 class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
