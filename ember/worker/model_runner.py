@@ -344,7 +344,7 @@ class ModelRunner:
             bitmask = full
             metadata.grammar_row_list = row_list
             metadata.grammar_rows = to_device(row_list, torch.int64, self.device)
-        pin = self.device.type == "cuda"
+        pin = not self.platform.device_is_host()  # a device of its own: copy from pinned memory
         if pin:
             bitmask = bitmask.pin_memory()
         metadata.grammar_bitmask = bitmask.to(self.device, non_blocking=pin)
