@@ -151,7 +151,7 @@ def build_app(
         model = ctx.check_model(req.model)
         raise OpenAIError(
             f"The model `{model}` does not support embeddings: it is a generative model "
-            "(ember serves no pooling models yet).", 400, param="model",
+            "(pooling models run offline, with LLM.embed, not on the server yet).", 400, param="model",
             code="model_not_supported",
         )
 
