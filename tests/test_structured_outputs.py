@@ -258,7 +258,6 @@ def test_bitmask_on_cuda_matches_cpu():
     assert torch.equal(full.cpu(), apply_token_bitmask_(logits.clone(), bitmask))
 
 
-@pytest.mark.gpu
 def _byte_level_model(tmp_path) -> str:
     """A tiny random Qwen3 with a small byte-level BPE tokenizer trained here: the GPU machine
     has no default model, and a grammar needs a tokenizer that can spell JSON."""
@@ -279,6 +278,7 @@ def _byte_level_model(tmp_path) -> str:
     return str(path)
 
 
+@pytest.mark.gpu
 def test_structured_outputs_on_cuda(tmp_path):
     """JSON schemas on CUDA (async scheduling on by default there), random weights."""
     llm = LLM(_byte_level_model(tmp_path), max_model_len=256, device="cuda")
