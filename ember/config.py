@@ -46,6 +46,10 @@ class EngineArgs:
     # Plan step N+1 while step N runs on the device; None = on for CUDA, off elsewhere.
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # vLLM's: "uni" (in process), "mp" (a process per rank), "ray" (an actor per rank), or a
+    # plugin's executor name; None = "uni" for one rank, "mp" for more.
+    distributed_executor_backend: str | None = None
     disable_log_stats: bool = True
     show_progress: bool = True
     # A dict of config attributes (a dict for a sub-config updates it), or vLLM's callable
@@ -112,8 +116,7 @@ class EngineArgs:
 
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        self._validate_parallel()
         if self.quantization not in (None, "gguf"):
             from ember.registry import QuantizationRegistry
 
@@ -122,6 +125,31 @@ class EngineArgs:
                     f"unknown quantization method {self.quantization!r}; known: gguf (GGUF "
                     f"weights, dequantized at load), {', '.join(QuantizationRegistry.names())}"
                 )
+
+
+    def _validate_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None:
+            from ember.registry import ExecutorRegistry
+
+            if not isinstance(backend, str) or backend not in ExecutorRegistry:
+                raise ValueError(f"distributed_executor_backend must be one of "
+                                 f"{', '.join(ExecutorRegistry.names())}, got {backend!r}")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world > 1 and self.executor_backend() == "uni":
+            raise ValueError(
+                "distributed_executor_backend='uni' runs one rank in this process; "
+                f"tensor_parallel_size x pipeline_parallel_size = {world} ranks need 'mp' or 'ray'")
+
+    def executor_backend(self) -> str:
+        """The executor registry name this engine runs on."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size * self.pipeline_parallel_size == 1 else "mp"
 
 
 @dataclass

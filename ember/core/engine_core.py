@@ -46,7 +46,7 @@ class EngineCore(EngineCoreControl):
         args.validate()
         start = time.perf_counter()
         self.args = args
-        self.executor = resolve_executor_class(None)(args)
+        self.executor = resolve_executor_class(args.executor_backend())(args)
         self.model_config = self.executor.model_config
         self.max_model_len = self.model_config.max_model_len
         num_blocks = self.executor.num_blocks

@@ -159,6 +159,24 @@ class Platform:
 
         torch.manual_seed(seed)
 
+    # ---- several processes (tensor / pipeline parallelism) ---------------------------------
+    def distributed_backend(self) -> str:
+        """The torch.distributed backend the ranks of one engine join ("gloo" by default)."""
+        return "gloo"
+
+    def communicator_cls(self) -> type:
+        """The class that runs collectives for the layers (ember.distributed.communicator's
+        interface); a platform with its own collective library returns its own."""
+        from ember.distributed.communicator import Communicator
+
+        return Communicator
+
+    def set_device_for_rank(self, local_rank: int) -> None:
+        """Bind this worker process to its device (`local_rank`: its index on this machine).
+        A host-memory device has nothing to bind."""
+        if not self.device_is_host():
+            self.device_index = local_rank
+
     def __repr__(self) -> str:
         index = "" if self.device_index is None else f":{self.device_index}"
         return f"<{type(self).__name__} {self.name}{index}>"

@@ -176,3 +176,12 @@ class CudaPlatform(Platform):
         import torch
 
         torch.manual_seed(seed)  # seeds every CUDA device too
+
+    def distributed_backend(self) -> str:
+        return "nccl"
+
+    def set_device_for_rank(self, local_rank: int) -> None:
+        import torch
+
+        self.device_index = local_rank
+        torch.cuda.set_device(local_rank)  # NCCL uses the current device

@@ -284,6 +284,8 @@ _BUILTIN_PLATFORMS = {
 }
 _BUILTIN_EXECUTORS = {
     "uni": "ember.executor.uniproc:UniProcExecutor",
+    "mp": "ember.executor.multiproc:MultiprocExecutor",
+    "ray": "ember.executor.ray_executor:RayExecutor",
 }
 # In the order the sampler applies them (vLLM v1's); ember.logits_processors.BUILTIN repeats it.
 _BUILTIN_LOGITS_PROCESSORS = {

@@ -71,7 +71,8 @@ def build_model(args: EngineArgs, platform: Platform, model_config: ModelConfig,
     from ember.models.loader.formats import load_weights
     from ember.registry import ModelRegistry, QuantizationRegistry
 
-    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture)
+    model_cls, arch = ModelRegistry.resolve_model_cls(model_config.architecture)
+    check_parallel_support(model_cls, arch, args)
     progress = None if args.show_progress else False
     model = load_weights(model_config, model_cls, attn_backend, dtype, platform.device(), progress)
     if model_config.quantization is not None:
@@ -82,6 +83,16 @@ def build_model(args: EngineArgs, platform: Platform, model_config: ModelConfig,
         count = quantize_model(model, method)
         logger.info("quantized %d linear layers with %s", count, model_config.quantization)
     return model
+
+
+def check_parallel_support(model_cls: type, arch: str, args: EngineArgs) -> None:
+    """Tensor / pipeline parallelism need a model built for it (a class attribute says so)."""
+    for size_name, flag in (("tensor_parallel_size", "supports_tensor_parallel"),
+                            ("pipeline_parallel_size", "supports_pipeline_parallel")):
+        size = getattr(args, size_name)
+        if size > 1 and not getattr(model_cls, flag, False):
+            raise ValueError(f"{size_name}={size}: architecture {arch} does not support it "
+                             f"({model_cls.__name__}.{flag} is False)")
 
 
 def kv_cache_num_blocks(args: EngineArgs, platform: Platform, runner: ModelRunner,
@@ -102,8 +113,9 @@ def kv_cache_num_blocks(args: EngineArgs, platform: Platform, runner: ModelRunne
 def captures_graphs(args: EngineArgs, platform: Platform,
                     attn_backend: type[AttentionBackend]) -> bool:
     """Decode graphs need a platform that captures them and a graph-safe backend."""
+    # Pipeline stages exchange activations with point-to-point sends, kept out of graphs.
     return (not args.enforce_eager and platform.supports_cuda_graphs
-            and attn_backend.supports_cuda_graphs)
+            and attn_backend.supports_cuda_graphs and args.pipeline_parallel_size == 1)
 
 
 def build_worker(args: EngineArgs) -> BuiltWorker:
@@ -119,6 +131,7 @@ def build_worker(args: EngineArgs) -> BuiltWorker:
         from transformers import AutoConfig  # noqa: F401
 
         from ember.config import resolve_model_config
+        from ember.distributed.parallel_state import agree_min, get_world_size
         from ember.platforms import resolve_platform
         from ember.plugins import load_plugins
         from ember.worker.model_runner import ModelRunner, torch_dtype
@@ -137,13 +150,17 @@ def build_worker(args: EngineArgs) -> BuiltWorker:
     dtype = torch_dtype(model_config.dtype)
     with profile.stage("weights"):
         model = build_model(args, platform, model_config, attn_backend, dtype)
-        runner = ModelRunner(model_config, attn_backend, platform, model, args.block_size)
+        runner_cls = ModelRunner
+        if get_world_size() > 1:
+            from ember.worker.parallel_runner import ParallelModelRunner as runner_cls
+        runner = runner_cls(model_config, attn_backend, platform, model, args.block_size)
     max_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     with profile.stage("memory_profile"):
         peak = platform.profile_peak_memory(
             lambda: runner.profile_run(max_tokens, args.max_num_seqs))
     with profile.stage("kv_cache"):
-        num_blocks = kv_cache_num_blocks(args, platform, runner, peak)
+        # Every rank holds the same blocks (the scheduler's block ids index each rank's cache).
+        num_blocks = agree_min(kv_cache_num_blocks(args, platform, runner, peak))
         runner.initialize_kv_cache(num_blocks)
     capture_seconds = 0.0
     if captures_graphs(args, platform, attn_backend):

@@ -1,0 +1,60 @@
+"""ParallelModelRunner: the model runner of one rank when an engine spans several processes.
+
+The model does its own tensor-parallel collectives (ember.layers.parallel_linear) and its own
+pipeline send/recv between stages (ember.models.llama: a stage that is not the first receives
+the hidden states and residual, one that is not the last sends them on). What the runner adds:
+
+- only the last stage computes logits and samples (all its tensor-parallel ranks: the logits
+  gather is a collective); earlier stages skip the LM head and prompt logprobs;
+- the driver rank (tensor-parallel rank 0 of the last stage) broadcasts the sampled tokens to
+  every rank before they are attached, so every rank keeps the same output tokens (the next
+  step's inputs, and async scheduling's placeholders) whatever the sampler's randomness.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ember.distributed import parallel_state as ps
+from ember.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from ember.worker.in_flight import InFlightStep
+    from ember.worker.input_batch import CachedRequestState, FlatBatch
+
+
+class ParallelModelRunner(ModelRunner):
+    def _sampling_logits(self, batch: FlatBatch, hidden: torch.Tensor,
+                         ) -> tuple[list[CachedRequestState], torch.Tensor | None]:
+        if ps.is_last_stage():
+            return super()._sampling_logits(batch, hidden)
+        rows = (batch.states if len(batch.sample_rows) == len(batch.input_ids)
+                else [batch.states[row] for row in batch.sample_rows])
+        return rows, None
+
+    def _sample(self, rows: list[CachedRequestState], logits: torch.Tensor | None,
+                step: InFlightStep, previous: InFlightStep | None, grammar=None) -> None:
+        comm = ps.get_comm()
+        if logits is None:  # an earlier stage: the driver's tokens only
+            sampled = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+            comm.broadcast_from_driver(sampled)
+            step.attach_samples(rows, sampled, None)
+            return
+        attach = step.attach_samples
+
+        def broadcast_then_attach(states, sampled, logprobs) -> None:
+            sampled = sampled.to(torch.int64).contiguous()
+            comm.broadcast_from_driver(sampled)
+            attach(states, sampled, logprobs)
+
+        step.attach_samples = broadcast_then_attach  # type: ignore[method-assign]
+        try:
+            super()._sample(rows, logits, step, previous, grammar)
+        finally:
+            del step.attach_samples
+
+    def _prompt_logprobs(self, batch, hidden, out, result) -> None:
+        if ps.is_last_stage():
+            super()._prompt_logprobs(batch, hidden, out, result)
