@@ -1,0 +1,128 @@
+"""int4_gemv: a 4-bit (AWQ / GPTQ) linear layer for up to 16 rows, streaming the packed weight.
+
+At decode batch sizes the layer is a read of its weight: 4-bit storage moves a quarter of a
+bf16 weight's bytes, so the kernel's job is to keep HBM busy. One program per BLOCK_N output
+columns (times K splits) walks its K range in BLOCK_K-row tiles of packed int32, expands them to
+4-bit values in registers (ember.kernels.int4_tile) and multiplies with the rows of x padded to
+one tl.dot tile; the group's zero and scale are applied once per tile. With SPLIT_K > 1 each
+program stores an fp32 partial and the last split of a tile to finish adds them in split order
+(deterministic; no second kernel), as ember.kernels.small_batch_linear does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels.int4_tile import group_correction, load_q_tile
+from ember.kernels.launch import cdiv, dot_precision, merge_counters, num_sms, pdl_options
+
+MAX_ROWS = 16
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr,
+                      M, N, K, stride_xm, stride_om, group_size, k_per_split,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                      PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    NP = N // 8
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PDL:  # see ember.kernels.launch.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        q = load_q_tile(qw_ptr, k0, k_hi, n0, NP, BLOCK_K, BLOCK_N)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & (offs_k < k_hi)[None, :], other=0.0)
+        part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PREC)
+        xsum = tl.sum(x.to(tl.float32), 1)
+        acc += group_correction(part, xsum, qz_ptr, s_ptr, k0 // group_size, n0, N, NP, BLOCK_N)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=out_mask)
+        if tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                acc += tl.load(part_ptr + split * M * N + tile, mask=out_mask, other=0.0,
+                               cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counters_ptr + pid_n, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def block_k_for(group_size: int, block_k: int) -> int:
+    """The largest power of two <= block_k (and >= 16, tl.dot's minimum) dividing the group."""
+    while block_k > 16 and group_size % block_k:
+        block_k //= 2
+    return block_k
+
+
+@functools.lru_cache(maxsize=1024)
+def int4_gemv_config(n: int, k: int, group_size: int, sms: int) -> tuple[int, int, int, int, int]:
+    """(block_n, block_k, split_k, num_warps, num_stages) for an [k, n] weight: 64-column tiles
+    of 128 rows, and K splits until the grid holds about two programs per SM (a decode
+    projection of 4096 outputs has only 64 tiles). Not tuned on hardware yet: a first rule."""
+    block_n = 64
+    block_k = block_k_for(group_size, 128)
+    tiles = cdiv(n, block_n)
+    steps = cdiv(k, block_k)
+    split_k = max(1, min(cdiv(2 * sms, tiles), steps // 4 or 1))
+    return block_n, block_k, split_k, 4, 4
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+              group_size: int, bias: torch.Tensor | None = None,
+              config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M <= 16, K] times the 4-bit weight (qweight [K, N/8], qzeros [G, N/8] in AWQ's
+    order, scales [G, N]); ``group_size`` rows per group (K for one group). Output in x's dtype.
+    ``config`` = (block_n, block_k, split_k, num_warps, num_stages) overrides the rule."""
+    m, k = x.shape
+    n = qweight.shape[1] * 8
+    assert m <= MAX_ROWS and qweight.shape[0] == k and scales.shape[1] == n
+    assert qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    block_n, block_k, split_k, num_warps, num_stages = (
+        config or int4_gemv_config(n, k, group_size, num_sms(x.device)))
+    assert group_size % block_k == 0 or group_size == k, "a tile must not straddle two groups"
+    k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
+    split_k = cdiv(k, k_per_split)
+    n_tiles = cdiv(n, block_n)
+    if split_k > 1:
+        partials = torch.empty(split_k * m * n, dtype=torch.float32, device=x.device)
+        counters = merge_counters(n_tiles, x.device)
+    else:
+        partials = counters = out  # unused by the kernel
+    _int4_gemv_kernel[(n_tiles, split_k)](
+        x, qweight, qzeros, scales, bias if bias is not None else scales, out, partials,
+        counters, m, n, k, x.stride(0), out.stride(0), group_size, k_per_split,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype), num_warps=num_warps,
+        num_stages=num_stages, **pdl_options(x),
+    )
+    return out

@@ -1,0 +1,179 @@
+"""4-bit weights (ember.quantization.int4_common) and their kernels (ember.kernels.int4_gemv,
+int4_gemm) against independent unpackings of the published layouts and a float reference.
+
+The packers are checked against the formats' documented bit orders, written here a second way
+(per nibble with numpy): AWQ puts column 8c + j of a pack at bit 4 * [0, 4, 1, 5, 2, 6, 3, 7][j]
+(AutoAWQ's order_map [0, 2, 4, 6, 1, 3, 5, 7] inverted), GPTQ puts row 8r + i at bit 4i and its
+v1 qzeros hold z - 1. Without CUDA the kernels run under TRITON_INTERPRET=1 at small shapes; the
+``gpu`` cases run Llama-3.1-8B's projection shapes in bf16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from ember.kernels.int4_gemm import int4_gemm  # noqa: E402
+from ember.kernels.int4_gemv import int4_gemv, int4_gemv_config  # noqa: E402
+from ember.quantization.int4_common import (  # noqa: E402
+    AWQ_ORDER,
+    dequantize_awq,
+    gptq_to_awq,
+    pack_int4,
+    quantize_int4,
+    unpack_int4,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+AWQ_BIT_OF_COLUMN = [0, 16, 4, 20, 8, 24, 12, 28]
+
+
+def _np_unpack_awq(packed: torch.Tensor) -> np.ndarray:
+    p = packed.numpy().view(np.uint32)
+    out = np.zeros((p.shape[0], p.shape[1] * 8), dtype=np.int64)
+    for j, bit in enumerate(AWQ_BIT_OF_COLUMN):
+        out[:, j::8] = (p >> np.uint32(bit)) & 0xF
+    return out
+
+
+def _np_unpack_gptq_rows(packed: torch.Tensor) -> np.ndarray:
+    p = packed.numpy().view(np.uint32)
+    out = np.zeros((p.shape[0] * 8, p.shape[1]), dtype=np.int64)
+    for i in range(8):
+        out[i::8, :] = (p >> np.uint32(4 * i)) & 0xF
+    return out
+
+
+def _np_unpack_gptq_cols(packed: torch.Tensor) -> np.ndarray:
+    p = packed.numpy().view(np.uint32)
+    out = np.zeros((p.shape[0], p.shape[1] * 8), dtype=np.int64)
+    for i in range(8):
+        out[:, i::8] = (p >> np.uint32(4 * i)) & 0xF
+    return out
+
+
+def test_packers_follow_the_documented_bit_orders():
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 16, (24, 40), generator=gen, dtype=torch.int32)
+    awq = pack_int4(values, 1, AWQ_ORDER)
+    assert awq.shape == (24, 5) and awq.dtype == torch.int32
+    np.testing.assert_array_equal(_np_unpack_awq(awq), values.numpy())
+    rows = pack_int4(values, 0)
+    assert rows.shape == (3, 40)
+    np.testing.assert_array_equal(_np_unpack_gptq_rows(rows), values.numpy())
+    np.testing.assert_array_equal(_np_unpack_gptq_cols(pack_int4(values, 1)), values.numpy())
+    for dim, order in ((1, AWQ_ORDER), (0, tuple(range(8))), (1, tuple(range(8)))):
+        assert torch.equal(unpack_int4(pack_int4(values, dim, order), dim, order), values)
+    with pytest.raises(ValueError, match="0..15"):
+        pack_int4(values + 1, 1)
+
+
+def _gptq_checkpoint(k: int, n: int, group: int, desc_act: bool, seed: int = 0):
+    """GPTQ v1 tensors of a random weight, and its float dequantization computed from the
+    integers directly (not through ember's unpacking)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    z = torch.randint(0, 16, (k // group, n), generator=gen, dtype=torch.int32)
+    s = torch.rand(k // group, n, generator=gen) * 0.02 + 0.001
+    g_idx = torch.arange(k) // group
+    if desc_act:
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    w = (q - z[g_idx]).float() * s[g_idx]
+    return pack_int4(q, 0), pack_int4((z - 1) & 0xF, 1), s, g_idx.to(torch.int32), w
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_repacks_to_the_same_weight(desc_act):
+    qweight, qzeros, scales, g_idx, want = _gptq_checkpoint(64, 24, 16, desc_act)
+    weight = gptq_to_awq(qweight, qzeros, scales, g_idx, 16, 1, "layer")
+    assert (weight.perm is not None) == desc_act
+    got = dequantize_awq(weight.qweight, weight.qzeros, weight.scales, 16, weight.perm)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_gptq_groups_that_cannot_be_sorted_are_refused():
+    qweight, qzeros, scales, g_idx, _ = _gptq_checkpoint(64, 8, 16, False)
+    g_idx[0] = 1  # group 1 now has 17 rows
+    with pytest.raises(ValueError, match="layer.*g_idx"):
+        gptq_to_awq(qweight, qzeros, scales, g_idx, 16, 1, "layer")
+
+
+def _awq_case(k: int, n: int, group: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(k, n, generator=gen) / k**0.5
+    q, z, s = quantize_int4(w, group)
+    qw, qz = pack_int4(q, 1, AWQ_ORDER), pack_int4(z, 1, AWQ_ORDER)
+    s = s.to(dtype)
+    ref = dequantize_awq(qw, qz, s, group)  # from the scales as stored
+    return qw.to(DEV), qz.to(DEV), s.to(DEV), ref.to(DEV)
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    else:  # fp32 accumulation, one rounding of each output
+        scale = want.abs().amax().item()
+        torch.testing.assert_close(got.float(), want, atol=4e-3 * scale, rtol=1e-2)
+
+
+def _x(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
+
+
+# bf16 dots are wrong under the interpreter (no numpy bf16): fp16 stands for half precision.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,group,config", [
+    (1, 40, 128, 32, None),  # N not a multiple of the tile
+    (3, 64, 256, 64, (32, 32, 3, 4, 2)),  # K split in 3 (the last split is short)
+    (16, 24, 96, 96, (64, 32, 2, 4, 2)),  # one group over all of K (group_size -1)
+])
+def test_int4_gemv(dtype, m, n, k, group, config):
+    qw, qz, s, w = _awq_case(k, n, group, dtype)
+    x = _x(m, k, dtype)
+    bias = torch.randn(n).to(dtype).to(DEV) if m == 3 else None
+    got = int4_gemv(x, qw, qz, s, group, bias, config=config)
+    want = x.float() @ w + (bias.float() if bias is not None else 0.0)
+    _check(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,group,config", [
+    (1, 40, 128, 32, (16, 32, 32, 4, 2)),
+    (37, 72, 192, 64, (32, 64, 64, 4, 2)),  # ragged M and N tiles, GROUP_M ordering
+])
+def test_int4_gemm(dtype, m, n, k, group, config):
+    qw, qz, s, w = _awq_case(k, n, group, dtype)
+    x = _x(m, k, dtype)
+    bias = torch.randn(n).to(dtype).to(DEV)
+    got = int4_gemm(x, qw, qz, s, group, bias, config=config)
+    _check(got, x.float() @ w + bias.float(), dtype)
+
+
+def test_gemv_config_splits_small_grids():
+    block_n, block_k, split_k, _, _ = int4_gemv_config(4096, 4096, 128, 132)
+    assert block_k == 128 and 4096 // block_n * split_k >= 132
+    assert int4_gemv_config(28672, 4096, 128, 132)[2] == 1
+    assert int4_gemv_config(4096, 4096, 32, 132)[1] == 32  # a tile stays inside a group
+
+
+LLAMA8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", LLAMA8B)
+@pytest.mark.parametrize("m", [1, 4, 16, 256])
+def test_int4_kernels_llama8b_shapes_bf16(k, n, m):
+    qw, qz, s, w = _awq_case(k, n, 128, torch.bfloat16)
+    x = _x(m, k, torch.bfloat16)
+    want = x.float() @ w
+    if m <= 16:
+        _check(int4_gemv(x, qw, qz, s, 128), want, torch.bfloat16)
+    _check(int4_gemm(x, qw, qz, s, 128), want, torch.bfloat16)
