@@ -8,6 +8,7 @@
     silu_and_mul        the SwiGLU gate of a fused gate_up projection
     argmax              greedy argmax of a few rows over vocabulary chunks
     small_batch_linear  weight-streaming linear layer for up to 16 rows
+    fused_moe           mixture-of-experts routing, expert sort and grouped GEMMs
 
 Shared pieces: ``launch`` (grid arithmetic, SM count, programmatic dependent launch, merge
 counters), ``buffers`` (persistent scratch buffers, one per purpose and device),
@@ -40,6 +41,7 @@ OPS = (
     "silu_and_mul",
     "argmax",
     "small_batch_linear",
+    "fused_moe",
 )
 _LAZY_MODULES = frozenset((*OPS, "launch", "attention_common", "buffers", "dispatch", "tuning"))
 

@@ -238,6 +238,8 @@ _BUILTIN_MODELS = {
     "MistralForCausalLM": "ember.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "ember.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "ember.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "ember.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "ember.models.mixtral:MixtralForCausalLM",
 }
 # Pooling models (ember.pooling): capability runner="pooling" makes runner="auto" pick pooling.
 _BUILTIN_POOLING_MODELS = {

@@ -1,0 +1,179 @@
+"""The Llama-family decoder with mixture-of-experts feed-forward layers (Qwen3-MoE, Mixtral).
+
+Attention, norms, rotary embedding, the dense MLP of non-sparse layers, the forward pass and the
+logits are the Llama family's (ember.models.llama); this class swaps each sparse layer's MLP
+for a ``SparseMoeBlock`` and loads HF checkpoints whose experts are named one by one
+(``...experts.<e>.<proj>.weight``) into the stacked ``w13`` / ``w2`` tensors. Checkpoints
+saved in transformers 5's fused layout (``experts.gate_up_proj`` [E, 2I, H],
+``experts.down_proj`` [E, H, I]) load too.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ember.attention_backends.base import AttentionBackend
+from ember.layers import linear
+from ember.layers.moe import FusedMoE, SparseMoeBlock, load_expert_weight
+from ember.models.llama import LlamaForCausalLM
+
+# HF buffers some checkpoints carry; they are recomputed, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# HF dense projection -> (our fused projection, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}  # fmt: skip
+_SHARDS = {"qkv_proj": (0, 1, 2), "gate_up_proj": (0, 1)}
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+_FUSED_EXPERTS = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """A causal LM whose sparse layers' ``mlp`` is a SparseMoeBlock. Subclasses say which layers
+    are sparse, how the config names the expert counts, and how checkpoints name experts."""
+
+    # Checkpoint name of the MoE block where it is not "mlp" (Mixtral: "block_sparse_moe").
+    moe_block_name: ClassVar[str] = "mlp"
+    # Per-expert projection name -> shard of w13 (0 gate, 1 up) or None for w2.
+    expert_projections: ClassVar[dict[str, int | None]] = {
+        "gate_proj": 0, "up_proj": 1, "down_proj": None}  # fmt: skip
+    # Routing weights cast to the activation dtype before they scale expert outputs (Qwen3-MoE)
+    # or kept in float32 (Mixtral), as HF does.
+    routing_weights_in_activation_dtype: ClassVar[bool] = True
+
+    def __init__(self, config: Any, attn_backend: type[AttentionBackend],
+                 dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r}: only silu is implemented")
+        # The parent builds dense MLPs everywhere (free: models are built on the meta device);
+        # the sparse layers' are replaced.
+        super().__init__(config, attn_backend, dtype)
+        num_experts, top_k, inter, renormalize = self.moe_shape(config)
+        for i, layer in enumerate(self.model.layers):
+            if self.is_sparse_layer(config, i):
+                layer.mlp = SparseMoeBlock(
+                    config.hidden_size, num_experts, top_k, inter, renormalize, dtype,
+                    self.routing_weights_in_activation_dtype,
+                )
+
+    @classmethod
+    def moe_shape(cls, config: Any) -> tuple[int, int, int, bool]:
+        """(num_experts, top_k, expert intermediate size, renormalise top-k weights)."""
+        raise NotImplementedError
+
+    @classmethod
+    def is_sparse_layer(cls, config: Any, layer_idx: int) -> bool:
+        return True
+
+    # ---- weight loading ----------------------------------------------------------------------
+
+    def _target(self, hf_name: str) -> tuple[str, Any]:
+        """Our parameter name for an HF name, and the shard the tensor fills (None: all of it;
+        an int: a fused dense projection's shard; (expert, shard): a stacked expert tensor)."""
+        block = f".{self.moe_block_name}."
+        if self.moe_block_name != "mlp" and block in hf_name:
+            hf_name = hf_name.replace(block, ".mlp.", 1)
+        match = _PER_EXPERT.match(hf_name)
+        if match is not None and match["proj"] in self.expert_projections:
+            shard = self.expert_projections[match["proj"]]
+            stacked = "w2" if shard is None else "w13"
+            return f"{match['prefix']}.experts.{stacked}", (int(match["e"]), shard)
+        parts = hf_name.split(".")
+        if len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in _FUSED_EXPERTS:
+            return ".".join([*parts[:-1], _FUSED_EXPERTS[parts[-1]]]), None
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            fused, shard = _FUSED[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), shard
+        return hf_name, None
+
+    def _required(self) -> dict[str, set[Any]]:
+        """Per parameter, the shards that fill it whole (an empty set: one unsharded tensor)."""
+        required: dict[str, set[Any]] = {}
+        for name, _ in self.named_parameters():
+            parts = name.split(".")
+            if parts[-1] in ("w13", "w2"):
+                experts = self.get_submodule(name.rsplit(".", 1)[0]).num_experts
+                shards = (0, 1) if parts[-1] == "w13" else (None,)
+                required[name] = {(e, s) for e in range(experts) for s in shards}
+            elif len(parts) >= 2 and parts[-2] in _SHARDS:
+                required[name] = set(_SHARDS[parts[-2]])
+            else:
+                required[name] = set()
+        return required
+
+    def _copy_shard(self, name: str, param: nn.Parameter, tensor: torch.Tensor, shard: Any,
+                    hf_name: str) -> None:  # fmt: skip
+        # Experts by their module: parameter attributes do not survive to_empty off the meta
+        # device (it makes new Parameters).
+        owner = self.get_submodule(name.rsplit(".", 1)[0])
+        loader = (load_expert_weight if isinstance(owner, FusedMoE)
+                  else getattr(param, "weight_loader", None))
+        if loader is not None:  # the linear-layer contract's loader, or the experts'
+            try:
+                loader(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"weight {hf_name!r}: {e}") from e
+            return
+        dst = param.data
+        if shard is not None:
+            sizes = self.get_submodule(name.rsplit(".", 2)[0]).shard_sizes()
+            dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(dst.shape)}")
+        dst.copy_(tensor)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in (casting dtype, moving device); ValueError on unknown,
+        missing or mis-shaped names. Returns the names loaded."""
+        # The linear-layer contract's loaders need to know each parameter's layer and name.
+        bind = getattr(linear, "bind_weight_loaders", None)
+        params = bind(self) if bind is not None else dict(self.named_parameters())
+        required = self._required()
+        got: dict[str, set[Any]] = {}
+        loaded: set[str] = set()
+        unknown: list[str] = []
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: HF ties it to embed_tokens, and so do we
+            name, shard = self._target(hf_name)
+            param = params.get(name)
+            if param is None:
+                unknown.append(hf_name)
+                continue
+            self._copy_shard(name, param, tensor, shard, hf_name)
+            got.setdefault(name, set()).add(shard)
+            loaded.add(hf_name)
+        if unknown:
+            raise ValueError(f"unknown weights for {type(self).__name__}: {_names(unknown)}")
+        missing = []
+        for name, shards in required.items():
+            have = got.get(name, set())
+            if None in have or (shards and shards <= have):
+                continue  # filled whole, or by every shard
+            missing.append(name if not shards else f"{name} (shards {_shards(shards - have)})")
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {_names(missing)}")
+        return loaded
+
+
+def _shards(shards: set[Any], limit: int = 8) -> str:
+    listed = sorted(shards, key=str)
+    more = f" ... and {len(listed) - limit} more" if len(listed) > limit else ""
+    return ", ".join(map(str, listed[:limit])) + more
+
+
+def _names(names: Iterable[str], limit: int = 20) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
