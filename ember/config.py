@@ -68,6 +68,12 @@ class EngineArgs:
     # vLLM's: "auto" (pooling for encoder-only and *ForSequenceClassification architectures),
     # "generate", or "pooling" (embed / classify / score; ember.pooling).
     runner: str = "auto"
+    # vLLM's: how runner="pooling" adapts a model: "auto", "none", "embed" (a decoder's last-token
+    # embeddings), "classify" (a *ForSequenceClassification checkpoint); "reward" is refused.
+    convert: str = "auto"
+    # vLLM's deprecated `task` ("embed", "classify", "score", "generate", ...), mapped onto
+    # runner / convert with a warning (ember.pooling.config).
+    task: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -112,10 +118,11 @@ class EngineArgs:
         from ember.structured_output.config import StructuredOutputsConfig
 
         StructuredOutputsConfig.of(self.structured_outputs_config).validate()
-        from ember.pooling.config import RUNNERS
+        from ember.pooling.config import RUNNERS, check_task_and_convert
 
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        check_task_and_convert(self.convert, self.task)
         self._validate_parallel()
         if self.quantization not in (None, "gguf"):
             from ember.registry import QuantizationRegistry
@@ -300,7 +307,7 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
     check_quantization(args.quantization, hf_config, path, is_gguf)
     from ember.pooling.config import resolve_runner, st_max_seq_length
 
-    runner = resolve_runner(args.runner, arch)
+    runner = resolve_runner(args.runner, arch, args.convert, args.task)
     max_model_len = args.max_model_len
     if runner == "pooling" and max_model_len is None:
         max_model_len = st_max_seq_length(path)  # sentence-transformers' own limit

@@ -1,6 +1,7 @@
 """Rotary position embeddings with HF transformers' conventions (rotate_half, not interleaved).
 
-Scaling types: "default", "linear" and "llama3" (Llama 3.1). Settings come from
+Scaling types: "default", "linear", "llama3" (Llama 3.1) and "longrope" (Phi-3: per-dimension
+short or long factors and a cos/sin scale; see ``longrope_inv_freq``). Settings come from
 ``config.rope_parameters`` (transformers 5) or ``config.rope_theta`` + ``config.rope_scaling``
 (transformers 4). cos/sin are computed once per forward from the positions, in float32 exactly as
 HF does, and shared by every layer; there is no position table, so no max-length limit and no
@@ -21,7 +22,7 @@ from torch import nn
 from ember import kernels
 from ember.kernels import dispatch
 
-_SUPPORTED = ("default", "linear", "llama3")
+_SUPPORTED = ("default", "linear", "llama3", "longrope")
 
 
 def rope_settings(config: Any) -> tuple[float, dict[str, Any]]:
@@ -60,7 +61,36 @@ def _inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> torch.T
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, blended, scaled)
+    if kind == "longrope":
+        factors = scaling["long_factor" if scaling.get("ember_use_long") else "short_factor"]
+        if len(factors) != rotary_dim // 2:
+            raise ValueError(f"longrope: {len(factors)} factors for a rotary dim of {rotary_dim} "
+                             f"(needs {rotary_dim // 2})")
+        # HF's expression: 1 / (factors * theta ** (arange / dim)).
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu")
+                      * theta ** (exponents / rotary_dim))
     raise ValueError(f"unsupported rope_type {kind!r}; supported: {', '.join(_SUPPORTED)}")
+
+
+def longrope_settings(config: Any, scaling: dict[str, Any]) -> tuple[bool, float]:
+    """(use the long factors, cos/sin scale) of a LongRoPE config.
+
+    HF switches factors per forward pass on the batch's longest position; that cannot be kept
+    with a paged cache (prefix-cached or chunked keys were rotated by an earlier pass), so, as
+    vLLM does, the engine's context limit decides once: the long factors when max_model_len
+    (``config.ember_max_model_len``, set by ember.config; max_position_embeddings when absent)
+    exceeds original_max_position_embeddings. HF agrees token for token whenever every
+    sequence stays within the original length (short) or every prompt passes it (long)."""
+    original = scaling.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None)
+    if not original:
+        raise ValueError("longrope scaling needs original_max_position_embeddings")
+    max_len = getattr(config, "ember_max_model_len", None) or config.max_position_embeddings
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    scale = scaling.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return max_len > original, float(scale)
 
 
 class RotaryEmbedding(nn.Module):
@@ -68,7 +98,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(
         self, head_size: int, theta: float, scaling: dict[str, Any] | None = None,
-        rotary_dim: int | None = None,
+        rotary_dim: int | None = None, attention_scaling: float = 1.0,
     ) -> None:
         super().__init__()
         self.head_size = head_size
@@ -78,6 +108,8 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: models are built on the meta device and materialised
         # with to_empty(), which would leave a buffer uninitialised. Moved lazily per device.
         self._inv_freq = _inv_freq(self.rotary_dim, theta, scaling)
+        # LongRoPE multiplies cos and sin (in float32, before the cast) as HF does.
+        self.attention_scaling = attention_scaling
         self._per_device: dict[torch.device, torch.Tensor] = {}
         self.use_kernel = dispatch.layer_kernels_enabled()
 
@@ -85,7 +117,10 @@ class RotaryEmbedding(nn.Module):
     def from_config(cls, config: Any, head_size: int) -> RotaryEmbedding:
         theta, scaling = rope_settings(config)
         partial = scaling.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1))
-        return cls(head_size, theta, scaling, int(head_size * (partial or 1.0)))
+        attention_scaling = 1.0
+        if scaling["rope_type"] == "longrope":
+            scaling["ember_use_long"], attention_scaling = longrope_settings(config, scaling)
+        return cls(head_size, theta, scaling, int(head_size * (partial or 1.0)), attention_scaling)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -95,7 +130,10 @@ class RotaryEmbedding(nn.Module):
         if inv is None:
             inv = self._per_device.setdefault(positions.device, self._inv_freq.to(positions.device))
         freqs = positions.float()[:, None] * inv
-        return freqs.cos().to(dtype)[:, None], freqs.sin().to(dtype)[:, None]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_size]. Equals HF's ``x * cos + rotate_half(x) * sin``."""

@@ -238,6 +238,9 @@ _BUILTIN_MODELS = {
     "MistralForCausalLM": "ember.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "ember.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "ember.models.qwen3:Qwen3ForCausalLM",
+    "Gemma2ForCausalLM": "ember.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "ember.models.gemma3:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "ember.models.phi3:Phi3ForCausalLM",
     "Qwen3MoeForCausalLM": "ember.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "ember.models.mixtral:MixtralForCausalLM",
 }
