@@ -5,6 +5,10 @@ they go to the split-KV decode kernel, the rest (prefills, chunked continuations
 the prefill kernel. Everything in ``forward`` is graph-safe: no host syncs, and the only
 allocations have sizes fixed by the batch shape (the split workspace is persistent and sized for
 the largest graph batch once ``prepare_graph_capture`` has run).
+
+The KV cache may be float8_e4m3fn (``kv_cache_dtype="fp8"``): the kernels store K / k_scale and
+V / v_scale and read them back through the same per-tensor scales (``TritonImpl.k_scale`` /
+``v_scale``, 1.0 unless set: vLLM's default when a checkpoint brings none).
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ class TritonImpl(AttentionImpl):
     """Per-layer attention through ember.kernels' store_kv, decode_attention and
     prefill_attention (loaded on first use: listing or resolving backends imports no triton)."""
 
+    # Per-tensor scales of an fp8 KV cache (unused with a float cache).
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
     def _decode_splits(self, batch: int, max_seq_len: int | None, device: torch.device) -> int:
         return _num_splits(batch, self.num_kv_heads, self.head_size, max_seq_len, device)
 
@@ -80,7 +88,8 @@ class TritonImpl(AttentionImpl):
         # the store kernel writes the rest.
         if num_tokens > num_decodes:
             kernels.store_kv.store_kv(k[num_decodes:], v[num_decodes:], kv_cache,
-                                      metadata.slot_mapping[num_decodes:])
+                                      metadata.slot_mapping[num_decodes:], self.k_scale,
+                                      self.v_scale)
 
         out = torch.empty(
             num_tokens, self.num_heads * self.head_size, dtype=query.dtype, device=query.device
@@ -108,6 +117,8 @@ class TritonImpl(AttentionImpl):
                 logits_soft_cap=cap,
                 workspace=self._workspace(num_decodes, splits, query.device),
                 new_kv=(k[:num_decodes], v[:num_decodes], metadata.slot_mapping[:num_decodes]),
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
             )
         if num_reqs > num_decodes:
             # query_start_loc holds absolute token offsets, so slicing it keeps pointing at the
@@ -123,6 +134,8 @@ class TritonImpl(AttentionImpl):
                 window,
                 out3,
                 logits_soft_cap=cap,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
             )
         return out
 

@@ -11,6 +11,10 @@ The grid depends only on the batch size and the split count, and empty splits or
 ``seq_len == 0`` (padding in CUDA-graph batches) are handled in the kernels, so launches are
 graph-safe. Tiles and the split policy come from ember.kernels.tuning (per device; the
 ember.bench.attention_kernels and decode_latency benchmarks sweep them).
+
+An fp8 cache holds K / k_scale and V / v_scale (ember.kernels.store_kv): tiles are widened to
+the query's dtype as they are loaded (exact), k_scale is folded into the softmax scale and
+v_scale multiplies the output, so the inner loop does no extra arithmetic.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import triton.language as tl
 
 from ember.kernels.attention_common import NEG_BIG, scaled_scores
 from ember.kernels.launch import cdiv, dot_precision, head_pad, next_power_of_2, num_sms, pdl_options
+from ember.kernels.store_kv import fp8_max, quantize_fp8, soft_fp8
 from ember.kernels.tuning import DecodeConfig, DeviceTuning, tuning_for
 
 __all__ = [
@@ -120,6 +125,9 @@ def _decode_kernel(
     softcap,
     window,
     num_splits,
+    inv_k_scale,
+    inv_v_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ckv,
@@ -143,6 +151,8 @@ def _decode_kernel(
     DIRECT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     STORE_NEW: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # > 0: an fp8 cache (see the module docstring)
+    SOFT_FP8: tl.constexpr,  # round to fp8 in float arithmetic (ember.kernels.store_kv)
     PDL: tl.constexpr,
 ):
     if PDL:  # see ember.kernels.launch.pdl_options
@@ -165,7 +175,8 @@ def _decode_kernel(
     q_ptrs = q_ptr + req.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     # Rows >= GROUP only pad M up to 16 for tl.dot; they are zero and never stored.
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(cache_ptr.dtype.element_ty)
+    if FP8_MAX == 0:  # dots in the cache's dtype; an fp8 cache is widened to q's instead
+        q = q.to(cache_ptr.dtype.element_ty)
 
     k_base = cache_ptr + kvh * stride_ch
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
@@ -189,8 +200,8 @@ def _decode_kernel(
             kv_mask = (pos < end)[:, None]
         else:
             kv_mask = (pos < end)[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         s = scaled_scores(qk, scale, softcap, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -206,9 +217,14 @@ def _decode_kernel(
         slot = tl.load(slot_ptr + req)
         if (lo <= last) & (last < hi):
             k_new = tl.load(k_new_ptr + req.to(tl.int64) * stride_knt + kvh * HEAD_SIZE + offs_d,
-                            mask=d_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+                            mask=d_mask, other=0.0)
             v_new = tl.load(v_new_ptr + req.to(tl.int64) * stride_vnt + kvh * HEAD_SIZE + offs_d,
-                            mask=d_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+                            mask=d_mask, other=0.0)
+            if FP8_MAX > 0:  # stored as ember.kernels.store_kv stores them
+                k_new = quantize_fp8(k_new, inv_k_scale, FP8_MAX, SOFT_FP8)
+                v_new = quantize_fp8(v_new, inv_v_scale, FP8_MAX, SOFT_FP8)
+            k_new = k_new.to(cache_ptr.dtype.element_ty)
+            v_new = v_new.to(cache_ptr.dtype.element_ty)
             if slot >= 0:
                 new_ptrs = (k_base + (slot // BLOCK_SIZE) * stride_cb
                             + (slot % BLOCK_SIZE) * stride_ct + offs_d)
@@ -220,12 +236,14 @@ def _decode_kernel(
             alpha = tl.exp2(m_i - m_new)
             p_new = tl.exp2(s_new - m_new)
             l_i = l_i * alpha + p_new
-            p_new = p_new.to(cache_ptr.dtype.element_ty).to(tl.float32)
+            p_new = p_new.to(q.dtype).to(tl.float32)
             acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
             m_i = m_new
 
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / safe_l[:, None]
+    if FP8_MAX > 0:
+        o = o * v_scale
     if DIRECT:
         o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
         o_ptrs = o_ptrs + offs_d[None, :]
@@ -301,6 +319,8 @@ def paged_decode_attention(
     workspace: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged context.
 
@@ -312,6 +332,7 @@ def paged_decode_attention(
     the device's tuned tables (ember.kernels.tuning). ``new_kv = (k, v,
     slot_mapping)`` ([batch, num_kv_heads, head_size] x 2, [batch]) are the step's new keys and
     values, not yet in the cache: the kernel stores them (slot -1: nothing) and attends to them.
+    An fp8 ``kv_cache`` holds K / ``k_scale`` and V / ``v_scale`` (per-tensor scales).
     """
     batch, num_heads, head_size = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -355,6 +376,7 @@ def paged_decode_attention(
         SLIDING=sliding,
         **pdl_options(q),
     )
+    fp8 = fp8_max(kv_cache.dtype)
     if new_kv is not None:
         k_new, v_new, slots = new_kv
         assert k_new.stride(-1) == 1 and k_new.stride(-2) == head_size
@@ -372,8 +394,11 @@ def paged_decode_attention(
         k_new,
         v_new,
         slots,
-        scale=scale,
+        scale=scale * k_scale if fp8 else scale,
         softcap=logits_soft_cap or 0.0,
+        inv_k_scale=1.0 / k_scale,
+        inv_v_scale=1.0 / v_scale,
+        v_scale=v_scale,
         stride_qt=q.stride(0),
         stride_qh=q.stride(1),
         stride_ckv=kv_cache.stride(0),
@@ -389,7 +414,9 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         SOFTCAP=bool(logits_soft_cap),
         DIRECT=direct,
-        DOT_PREC=dot_precision(kv_cache.dtype),
+        DOT_PREC=dot_precision(q.dtype if fp8 else kv_cache.dtype),
+        FP8_MAX=fp8,
+        SOFT_FP8=soft_fp8(kv_cache),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **common,

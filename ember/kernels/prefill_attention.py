@@ -9,6 +9,8 @@ One program per (request, kv head, tile of BLOCK_Q query tokens) treats the BLOC
 the query heads of the kv group as the rows of one [BLOCK_M, D] tile (GQA: each K/V tile is loaded
 once for the whole group), and runs a flash-attention online softmax in fp32. Key tiles strictly
 below the chunk's first token need no causal mask; only the diagonal tiles pay for it.
+An fp8 cache is read as ember.kernels.decode_attention reads it: tiles widened to q's dtype,
+k_scale folded into the softmax scale, v_scale applied to the output.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import triton.language as tl
 
 from ember.kernels.attention_common import NEG_BIG, scaled_scores
 from ember.kernels.launch import cdiv, dot_precision, head_pad, next_power_of_2
+from ember.kernels.store_kv import FP8_DTYPES
 from ember.kernels.tuning import PrefillConfig, tuning_for
 
 __all__ = ["PrefillConfig", "default_config", "paged_prefill_attention"]
@@ -46,8 +49,8 @@ def _attend_tile(
         kv_mask = in_range[:, None]
     else:
         kv_mask = in_range[:, None] & d_mask[None, :]
-    k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
-    v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+    k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # widens an fp8 cache
+    v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)
     s = scaled_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), scale, softcap, SOFTCAP)
     if CAUSAL:
         visible = (pos[None, :] <= qpos[:, None]) & in_range[None, :]
@@ -83,6 +86,7 @@ def _prefill_kernel(
     scale,
     softcap,
     window,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ckv,
@@ -102,6 +106,7 @@ def _prefill_kernel(
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -123,7 +128,9 @@ def _prefill_kernel(
     io_mask = row_mask[:, None] & d_mask[None, :]
     q_rows = (q_start + tok).to(tl.int64)
     q_ptrs = q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=io_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+    if not KV_FP8:  # dots in the cache's dtype; an fp8 cache is widened to q's instead
+        q = q.to(cache_ptr.dtype.element_ty)
     qpos = ctx + tok
 
     # Keys this tile needs: [lo, hi). Tiles wholly below the chunk's first token are unmasked.
@@ -154,6 +161,8 @@ def _prefill_kernel(
         )
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        o = o * v_scale
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -171,13 +180,15 @@ def paged_prefill_attention(
     *,
     logits_soft_cap: float | None = None,
     config: PrefillConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal paged attention for the requests described by ``seq_lens`` ([num_reqs]).
 
     q/out: [num_tokens, num_heads, head_size]; ``query_start_loc`` ([num_reqs + 1] int32) holds
     absolute token indices into q, so a slice of a larger batch's metadata works unchanged.
     ``max_query_len`` (a host int, no device sync) sizes the grid; ``config`` overrides the
-    tuned tiles.
+    tuned tiles. An fp8 ``kv_cache`` holds K / ``k_scale`` and V / ``v_scale``.
     """
     num_tokens, num_heads, head_size = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -198,6 +209,7 @@ def paged_prefill_attention(
     block_q = min(block_q, max(next_power_of_2(max_query_len), cdiv(16, group_pad)))
     sliding = sliding_window is not None and sliding_window > 0
     grid = (num_reqs, num_kv_heads, cdiv(max_query_len, block_q))
+    fp8 = kv_cache.dtype in FP8_DTYPES
     _prefill_kernel[grid](
         q,
         kv_cache,
@@ -205,9 +217,10 @@ def paged_prefill_attention(
         seq_lens,
         block_table,
         out,
-        scale,
+        scale * k_scale if fp8 else scale,
         logits_soft_cap or 0.0,
         sliding_window if sliding else 0,
+        v_scale,
         q.stride(0),
         q.stride(1),
         kv_cache.stride(0),
@@ -226,7 +239,8 @@ def paged_prefill_attention(
         BLOCK_N=cfg.block_n,
         SLIDING=sliding,
         SOFTCAP=bool(logits_soft_cap),
-        DOT_PREC=dot_precision(kv_cache.dtype),
+        DOT_PREC=dot_precision(q.dtype if fp8 else kv_cache.dtype),
+        KV_FP8=fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -2,7 +2,14 @@
 
 One program per token copies that token's ``[num_kv_heads, head_size]`` key and value rows to
 ``slot = block * block_size + offset``. Slots < 0 mark padding (CUDA-graph batches) and are
-skipped, so the grid depends only on the number of tokens.
+skipped, so the grid depends only on the number of tokens. An fp8 cache (float8_e4m3fn) stores
+key / k_scale and value / v_scale, saturated at the format's largest finite value (a plain cast
+would turn an outlier into NaN); the attention kernels multiply the scales back.
+
+Triton's interpreter (3.6) rounds float32 -> float8 wrongly when the mantissa carries into the
+exponent (127.98 becomes 64, not 128), so under TRITON_INTERPRET the kernels round to the e4m3
+grid in float arithmetic first (``rne_e4m3``) and only cast exact values; compiled kernels use
+the hardware conversion. Both give torch's round-to-nearest-even.
 """
 
 from __future__ import annotations
@@ -11,7 +18,28 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.launch import next_power_of_2
+from ember.kernels.launch import compiled_for_gpu, next_power_of_2
+
+
+@triton.jit
+def rne_e4m3(x):
+    """float32 x (|x| <= 448) rounded to nearest-even on the float8_e4m3fn grid, as float32:
+    3 mantissa bits in every binade from 2^-6 up, steps of 2^-9 below (subnormals)."""
+    a = tl.abs(x)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((a / quantum + 8388608.0) - 8388608.0) * quantum  # 2^23: float32 rounds to an integer
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def quantize_fp8(x, inv_scale, FP8_MAX: tl.constexpr, SOFT: tl.constexpr):
+    """x / scale saturated to the fp8 range (float32; the caller casts), exactly on the e4m3
+    grid when SOFT (the interpreter, see the module docstring)."""
+    y = tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX)
+    if SOFT:
+        y = rne_e4m3(y)
+    return y
 
 
 @triton.jit
@@ -28,11 +56,15 @@ def _store_kv_kernel(
     stride_cb,
     stride_ct,
     stride_ch,
+    inv_k_scale,
+    inv_v_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # 0: a float cache, a plain cast
+    SOFT_FP8: tl.constexpr,
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -53,8 +85,24 @@ def _store_kv_kernel(
     k = tl.load(src_k, mask=mask)
     v = tl.load(src_v, mask=mask)
     elt = cache_ptr.dtype.element_ty
+    if FP8_MAX > 0:
+        k = quantize_fp8(k, inv_k_scale, FP8_MAX, SOFT_FP8)
+        v = quantize_fp8(v, inv_v_scale, FP8_MAX, SOFT_FP8)
     tl.store(dst, k.to(elt), mask=mask)
     tl.store(dst + stride_ckv, v.to(elt), mask=mask)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an fp8 cache dtype; 0.0 for every other dtype."""
+    return float(torch.finfo(dtype).max) if dtype in FP8_DTYPES else 0.0
+
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def soft_fp8(x: torch.Tensor) -> bool:
+    """Whether kernels launched on x's device round to fp8 themselves (the interpreter)."""
+    return not compiled_for_gpu(x)
 
 
 def store_kv(
@@ -62,11 +110,14 @@ def store_kv(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write ``key``/``value`` ([num_tokens, num_kv_heads, head_size]) into ``kv_cache``.
 
     ``kv_cache`` is ``[2, num_blocks, block_size, num_kv_heads, head_size]``; ``slot_mapping`` is
-    ``[>= num_tokens]`` (entries < 0 skipped). Values are cast to the cache dtype.
+    ``[>= num_tokens]`` (entries < 0 skipped). Values are cast to the cache dtype; an fp8 cache
+    stores them divided by the per-tensor ``k_scale`` / ``v_scale``.
     """
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
@@ -93,10 +144,14 @@ def store_kv(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
+        1.0 / k_scale,
+        1.0 / v_scale,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
         BLOCK_SIZE=block_size,
         HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_PAD=next_power_of_2(head_size),
+        FP8_MAX=fp8_max(kv_cache.dtype),
+        SOFT_FP8=soft_fp8(kv_cache),
         num_warps=1 if num_kv_heads * head_size <= 512 else 4,
     )
