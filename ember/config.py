@@ -21,6 +21,11 @@ class EngineArgs:
 
     model: str | None = None
     tokenizer: str | None = None
+    # Hub names only (ember.models.loader.hub): a branch, tag or commit of the model / tokenizer
+    # (tokenizer_revision defaults to revision), and the cache folder (None: HF_HUB_CACHE).
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
     dtype: str = "auto"
@@ -178,27 +183,75 @@ class ModelConfig:
     # EngineArgs.structured_outputs_config, resolved (a StructuredOutputsConfig; None: defaults).
     structured_outputs: Any = None
     runner: str = "generate"  # "generate" | "pooling" (EngineArgs.runner, resolved)
+    hub: Any = None  # an ember.models.loader.hub.HubModel when `model` was a hub name
 
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
 
-def resolve_model_path(model: str | None) -> str:
-    """The embedded default when None; otherwise a local directory or .gguf file that exists."""
+def resolve_model_path(model: str | None, revision: str | None = None,
+                       download_dir: str | None = None, progress: bool | None = None) -> str:
+    """The embedded default when None; a local directory or .gguf file that exists; else a hub
+    name, whose config and tokenizer files are fetched (or found in the cache)."""
+    return resolve_model_source(model, revision, download_dir, progress)[0]
+
+
+def resolve_model_source(model: str | None, revision: str | None = None,
+                         download_dir: str | None = None,
+                         progress: bool | None = None) -> tuple[str, Any]:  # fmt: skip
+    """(local path, HubModel or None): see ``resolve_model_path``."""
     if model is None:
         from ember.default_model import default_model_path
 
-        return default_model_path()
+        _local_only(revision, download_dir, "the default model")
+        return default_model_path(), None
     path = os.path.expanduser(model)
     if not os.path.exists(path):
-        raise ValueError(
-            f"model {model!r} not found: expected a local HF-format directory (config.json + "
-            "*.safetensors) or a .gguf file (ember does not download from a model hub)"
-        )
+        from ember.models.loader import hub
+
+        if not hub.looks_like_repo_id(model):
+            raise ValueError(
+                f"model {model!r} not found: expected a local HF-format directory (config.json + "
+                "*.safetensors), a .gguf file, or a hub name such as 'org/name'"
+            )
+        found = hub.fetch_metadata(model, revision, download_dir, progress)
+        return found.snapshot, found
+    _local_only(revision, download_dir, repr(model))
     if os.path.isfile(path) and not path.endswith(".gguf"):
         raise ValueError(f"model {model!r} is a file but not a .gguf file")
-    return path
+    return path, None
+
+
+def _local_only(revision: str | None, download_dir: str | None, what: str) -> None:
+    # Every parameter works or is refused: these two mean nothing for a local model.
+    for name, value in (("revision", revision), ("download_dir", download_dir)):
+        if value is not None:
+            raise ValueError(f"{name}={value!r} applies to hub names only; {what} is local")
+
+
+def resolve_tokenizer_path(args: EngineArgs, hub: Any, progress: bool | None) -> str | None:
+    """The tokenizer's local folder or file (None: the model's own), fetched from the hub when
+    `tokenizer` is a hub name or `tokenizer_revision` differs from the model's revision."""
+    revision = args.tokenizer_revision or args.revision
+    name = args.tokenizer
+    if name is None:
+        if args.tokenizer_revision is None or hub is None:
+            if args.tokenizer_revision is not None:
+                raise ValueError("tokenizer_revision applies to hub tokenizers only; the "
+                                 "model is local and no tokenizer name is given")
+            return None
+        name = hub.repo_id
+    if os.path.exists(os.path.expanduser(name)):
+        if args.tokenizer_revision is not None:
+            raise ValueError(f"tokenizer_revision applies to hub names only; tokenizer {name!r} "
+                             "is local")
+        return name
+    from ember.models.loader import hub as hub_mod
+
+    if not hub_mod.looks_like_repo_id(name):
+        raise ValueError(f"tokenizer {name!r} not found: not a local path nor a hub name")
+    return hub_mod.fetch_tokenizer(name, revision, args.download_dir, progress)
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False) -> tuple[PretrainedConfig, bool]:
@@ -297,7 +350,8 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
     call it: it reads config.json or GGUF metadata, never the weights)."""
     from ember.registry import ModelRegistry
 
-    path = resolve_model_path(args.model)
+    progress = None if args.show_progress else False
+    path, hub = resolve_model_source(args.model, args.revision, args.download_dir, progress)
     hf_config, is_gguf = load_hf_config(path, args.trust_remote_code)
     hf_config = apply_hf_overrides(hf_config, args.hf_overrides)
     # By name only: the worker imports the class (ModelRegistry.resolve_model_cls) when it builds.
@@ -311,21 +365,25 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
     max_model_len = args.max_model_len
     if runner == "pooling" and max_model_len is None:
         max_model_len = st_max_seq_length(path)  # sentence-transformers' own limit
+    max_model_len = resolve_max_model_len(max_model_len, hf_config)
+    # Models whose rope depends on the context limit (LongRoPE: ember.layers.rotary) read it here.
+    hf_config.ember_max_model_len = max_model_len
     return ModelConfig(
         path=path,
         hf_config=hf_config,
         architecture=arch,
         dtype=resolve_dtype(args.dtype, hf_config, platform),
-        max_model_len=resolve_max_model_len(max_model_len, hf_config),
+        max_model_len=max_model_len,
         load_format=args.load_format,
         is_gguf=is_gguf,
-        tokenizer=args.tokenizer,
+        tokenizer=resolve_tokenizer_path(args, hub, progress),
         # "gguf" means the file's own quantization, already dequantized by the loader.
         quantization=None if args.quantization == "gguf" else args.quantization,
         max_logprobs=args.max_logprobs,
         structured_outputs=_structured_outputs_config(args),
         default_sampling=_default_sampling(args, path),
         runner=runner,
+        hub=hub,
     )
 
 

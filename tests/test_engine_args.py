@@ -24,8 +24,14 @@ HERE = "test_engine_args.py"
 
 FIELD_TESTS: dict[str, list[str]] = {
     "model": ["test_load_errors.py::test_unknown_model_path",
+              "test_hub_loading.py::test_unresolvable_names_are_clear",
               "test_engine_tiny_models.py::test_greedy_matches_hf"],
-    "tokenizer": [f"{HERE}::test_tokenizer_path_is_used"],
+    "tokenizer": [f"{HERE}::test_tokenizer_path_is_used",
+                  "test_hub_loading.py::test_hub_tokenizer_and_revision"],
+    "revision": ["test_hub_loading.py::test_hub_name_revisions_offline",
+                 "test_hub_loading.py::test_hub_only_arguments_refused_for_local_models"],
+    "tokenizer_revision": ["test_hub_loading.py::test_hub_tokenizer_and_revision"],
+    "download_dir": ["test_hub_loading.py::test_hub_name_revisions_offline"],
     "skip_tokenizer_init": [f"{HERE}::test_tokenizer_path_is_used"],
     "trust_remote_code": [f"{HERE}::test_trust_remote_code_reaches_transformers"],
     "dtype": [f"{HERE}::test_dtype_builds_the_model_in_it"],

@@ -47,6 +47,10 @@ def _load_safetensors(cfg, model_cls, attn_backend, dtype, device, progress):
         safetensors_files,
     )
 
+    if getattr(cfg, "hub", None) is not None:  # a hub name: the shards come now, not before
+        from ember.models.loader.hub import fetch_weights
+
+        fetch_weights(cfg.hub, progress)
     files = safetensors_files(cfg.path)
     check_safetensors(files)
     # Layers that hf_overrides cut off are never read from disk.

@@ -1,0 +1,167 @@
+"""Models by hub name against a local hub cache laid out by huggingface_hub's own cache helpers
+(blobs, snapshots/<commit> symlinks, refs/<branch or tag>; scan_cache_dir must accept it), with
+HF_HUB_OFFLINE=1 (no network exists here): LLM("org/name") with revision (branch, tag, commit),
+download_dir, a hub tokenizer with tokenizer_revision; only safetensors weights are read; names
+that do not resolve get one clear error; revision on a local model is refused."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+from model_factory import make_tiny_model
+
+from ember import LLM, SamplingParams
+
+REPO = "ember-test/tiny-llama"
+TOK_REPO = "ember-test/tokenizer"
+MAIN, V1 = "a" * 40, "b" * 40
+
+
+def add_to_cache(cache: Path, repo_id: str, src: Path, commit: str, refs: list[str]) -> None:
+    """Put every file of ``src`` in the hub cache as huggingface_hub does after a download."""
+    from huggingface_hub.file_download import (
+        _cache_commit_hash_for_specific_revision,
+        _create_symlink,
+        repo_folder_name,
+    )
+
+    storage = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
+    for file in sorted(p for p in src.rglob("*") if p.is_file()):
+        data = file.read_bytes()
+        blob = storage / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        dst = storage / "snapshots" / commit / file.relative_to(src)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        _create_symlink(str(blob), str(dst), new_blob=False)
+    for ref in refs:
+        _cache_commit_hash_for_specific_revision(str(storage), ref, commit)
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory):
+    """Two commits of one repo (different random weights): main, and a tag v1."""
+    root = tmp_path_factory.mktemp("hub")
+    main = make_tiny_model("llama", root / "main", seed=0)
+    v1 = make_tiny_model("llama", root / "v1", seed=7)
+    (main / "pytorch_model.bin").write_bytes(b"not read: safetensors are preferred")
+    cache = root / "cache"
+    add_to_cache(cache, REPO, main, MAIN, ["main"])
+    add_to_cache(cache, REPO, v1, V1, ["v1"])
+    from huggingface_hub import scan_cache_dir
+
+    info = scan_cache_dir(cache)
+    assert not info.warnings, info.warnings
+    (repo,) = info.repos
+    assert repo.repo_id == REPO and {r.commit_hash for r in repo.revisions} == {MAIN, V1}
+    return cache, main, v1
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # engine processes read the environment
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+PROMPTS = [{"prompt_token_ids": [5, 9, 13, 40, 7]}, {"prompt_token_ids": [3, 3, 100]}]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+def _tokens(model: str, **kw) -> list[list[int]]:
+    llm = LLM(model, skip_tokenizer_init=True, max_model_len=64, num_gpu_blocks_override=32, **kw)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_hub_name_revisions_offline(hub_cache, offline):
+    cache, main, v1 = hub_cache
+    expected_main, expected_v1 = _tokens(str(main)), _tokens(str(v1))
+    assert expected_main != expected_v1  # the two commits are told apart
+    assert _tokens(REPO, download_dir=str(cache)) == expected_main
+    assert _tokens(REPO, download_dir=str(cache), revision="v1") == expected_v1  # a tag
+    assert _tokens(REPO, download_dir=str(cache), revision=V1) == expected_v1  # a commit
+
+
+def test_resolution_uses_the_snapshot_and_reads_safetensors_only(hub_cache, offline):
+    from ember.config import resolve_model_source
+    from ember.models.loader.hub import fetch_weights
+
+    cache, _, _ = hub_cache
+    path, hub = resolve_model_source(REPO, "v1", str(cache))
+    assert Path(path) == cache / "models--ember-test--tiny-llama" / "snapshots" / V1
+    assert (hub.repo_id, hub.commit) == (REPO, V1)
+    assert fetch_weights(hub, progress=False) == path
+    assert {p.name for p in Path(path).glob("*.safetensors")} == {"model.safetensors"}
+
+
+def test_default_cache_is_hf_hub_cache(hub_cache, offline, monkeypatch):
+    from huggingface_hub import constants
+
+    from ember.config import resolve_model_path
+
+    cache, _, _ = hub_cache
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    assert Path(resolve_model_path(REPO)) == cache / "models--ember-test--tiny-llama" / \
+        "snapshots" / MAIN
+
+
+def test_hub_tokenizer_and_revision(hub_cache, offline, tmp_path):
+    from ember.default_model import default_model_path
+    from ember.tokenizer import load_tokenizer
+
+    cache, main, _ = hub_cache
+    tok = load_tokenizer(default_model_path())
+    tok.save_pretrained(tmp_path / "tok")
+    add_to_cache(cache, TOK_REPO, tmp_path / "tok", "c" * 40, ["main", "t1"])
+    llm = LLM(REPO, download_dir=str(cache), tokenizer=TOK_REPO, tokenizer_revision="t1",
+              max_model_len=64, num_gpu_blocks_override=16)
+    try:
+        assert llm.get_tokenizer()("Hello").input_ids == tok("Hello").input_ids
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="no-such-rev"):
+        LLM(REPO, download_dir=str(cache), tokenizer=TOK_REPO, tokenizer_revision="no-such-rev")
+
+
+@pytest.mark.parametrize("name,revision,match", [
+    ("ember-test/not-there", None, "not a local path.*not in the hub cache.*HF_HUB_OFFLINE"),
+    (REPO, "v2", "not a local path.*not in the hub cache.*HF_HUB_OFFLINE"),
+    ("./no/such/dir", None, "not found: expected a local HF-format directory"),
+    ("a//b", None, "not found: expected a local"),
+])
+def test_unresolvable_names_are_clear(hub_cache, offline, name, revision, match):
+    cache, _, _ = hub_cache
+    with pytest.raises(ValueError, match=match):
+        LLM(name, download_dir=str(cache), revision=revision, skip_tokenizer_init=True)
+
+
+def test_hub_only_arguments_refused_for_local_models(hub_cache):
+    _, main, _ = hub_cache
+    for kw, name in [({"revision": "v1"}, "revision"), ({"download_dir": "/tmp"}, "download_dir"),
+                     ({"tokenizer_revision": "v1"}, "tokenizer_revision")]:
+        with pytest.raises(ValueError, match=name):
+            LLM(str(main), skip_tokenizer_init=True, **kw)
+
+
+def test_repo_without_safetensors_is_refused(hub_cache, offline, tmp_path):
+    from ember.config import resolve_model_source
+    from ember.models.loader.hub import fetch_weights
+
+    cache, main, _ = hub_cache
+    src = tmp_path / "binonly"
+    src.mkdir()
+    (src / "config.json").write_bytes((main / "config.json").read_bytes())
+    (src / "pytorch_model.bin").write_bytes(b"x")
+    add_to_cache(cache, "ember-test/bin-only", src, "d" * 40, ["main"])
+    _, hub = resolve_model_source("ember-test/bin-only", None, str(cache))
+    with pytest.raises(ValueError, match="no safetensors weights"):
+        fetch_weights(hub, progress=False)
+    assert os.path.isfile(os.path.join(hub.snapshot, "config.json"))
