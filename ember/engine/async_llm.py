@@ -27,6 +27,7 @@ import msgspec
 
 from ember.config import EngineArgs, load_engine_tokenizer
 from ember.core.messages import EngineCoreOutputs, SchedulerStats
+from ember.engine.async_pooling import AsyncPoolingMixin
 from ember.engine.core_client import CoreAddress, MPCoreClient
 from ember.engine.engine_control import AsyncEngineControlMixin
 from ember.engine.errors import EngineDeadError
@@ -100,9 +101,10 @@ class _Stream:
         return item
 
 
-class AsyncLLM(AsyncEngineControlMixin):
+class AsyncLLM(AsyncEngineControlMixin, AsyncPoolingMixin):
     """Serve many concurrent requests from asyncio code with one engine core process.
-    reset_prefix_cache / sleep / wake_up / is_sleeping: ember.engine.engine_control."""
+    reset_prefix_cache / sleep / wake_up / is_sleeping: ember.engine.engine_control; encode
+    (pooling models): ember.engine.async_pooling."""
 
     def __init__(self, args: EngineArgs, attach: CoreAddress | None = None,
                  client_index: int = 0) -> None:
@@ -138,6 +140,7 @@ class AsyncLLM(AsyncEngineControlMixin):
             self._stat_loggers.append(self._stats_log.record_iteration)
         self._sched_stats: SchedulerStats = self.client.first_stats or SchedulerStats()
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._init_pooling()
         self._thread = threading.Thread(target=self._run, name="ember-outputs", daemon=True)
         self._thread.start()
         logger.info("front end ready in %.1f s (engine core pid %d)",
@@ -169,7 +172,7 @@ class AsyncLLM(AsyncEngineControlMixin):
         stats = msgspec.structs.asdict(self._sched_stats)
         stats["num_total_blocks"] = stats["num_total_blocks"] or self.ready.num_blocks
         # Requests this front end still owes output for (the core counts every client's).
-        stats["num_unfinished_requests"] = len(self.output_processor.parents)
+        stats["num_unfinished_requests"] = len(self.output_processor.parents) + len(self._pooling)
         return stats
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
@@ -239,6 +242,8 @@ class AsyncLLM(AsyncEngineControlMixin):
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests; their generate() streams end with a finish_reason "abort" output."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if self._pooling_mode:  # their callers see CancelledError
+            self._abort_pooled(ids, cancel=True)
         self._abort(ids, notify=True)
 
     def _abort(self, ids: list[str], notify: bool) -> None:
@@ -315,6 +320,9 @@ class AsyncLLM(AsyncEngineControlMixin):
         if outs.utility_result is not None:
             self._finish_call(outs.utility_result)
         if not outs.outputs:
+            return
+        if self._pooling_mode:  # a pooling core sends nothing else
+            self._deliver_pooled(outs.outputs)
             return
         stats = IterationStats()
         with self._lock:
@@ -405,6 +413,7 @@ class AsyncLLM(AsyncEngineControlMixin):
             for parent_id in list(self.output_processor.parents):
                 self.output_processor.abort(parent_id)
             self._tracked.clear()
+        self._fail_pooled(error)
         self._deliver([(rid, error) for rid in ids])
         for loop, future in calls:
             try:

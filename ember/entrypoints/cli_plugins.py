@@ -78,6 +78,10 @@ def _caps_text(kind: str, caps: dict[str, Any]) -> str:
         dtypes = "/".join(d.replace("float", "f") for d in caps["dtypes"])
         return (f"{'/'.join(caps['devices'])} {dtypes} heads={heads} prio={caps['priority']}"
                 + (f" +{'+'.join(extra)}" if extra else ""))
+    if kind == "quantization_methods" and "platforms" in caps:
+        dtypes = "/".join(d.replace("float", "f") for d in caps["dtypes"])
+        reads = ",".join(caps["checkpoint_formats"]) or "float weights (quantized at load)"
+        return f"{'/'.join(caps['platforms'])} {dtypes} {'/'.join(caps['layer_kinds'])} reads={reads}"
     return " ".join(f"{k}={v}" for k, v in caps.items() if k != "probe")
 
 

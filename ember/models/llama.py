@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ember.attention_backends.base import AttentionBackend
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import Attention, ForwardContext
-from ember.layers.linear import Linear
+from ember.layers.linear import Linear, bind_weight_loaders, compute_logits, weight_loader
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding
 
@@ -60,7 +59,8 @@ def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
 
 class DecoderAttention(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int,
-                 attn_backend: type[AttentionBackend], dtype: torch.dtype) -> None:  # fmt: skip
+                 attn_backend: type[AttentionBackend], dtype: torch.dtype,
+                 prefix: str = "") -> None:  # fmt: skip
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -71,8 +71,9 @@ class DecoderAttention(nn.Module):
         o_bias = attn_bias if spec.o_bias is None else spec.o_bias
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype=dtype)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype=dtype,
+                               output_sizes=self.shard_sizes(), prefix=f"{prefix}.qkv_proj")
+        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype=dtype, prefix=f"{prefix}.o_proj")
         self.qk_norm = spec.qk_norm
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, dtype)
@@ -98,7 +99,8 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: Any, spec: DecoderSpec, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, spec: DecoderSpec, dtype: torch.dtype,
+                 prefix: str = "") -> None:  # fmt: skip
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
@@ -106,9 +108,11 @@ class DecoderMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False)) if spec.mlp_bias is None else spec.mlp_bias
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias, dtype=dtype
+            config.hidden_size, 2 * config.intermediate_size, bias, dtype=dtype,
+            output_sizes=self.shard_sizes(), prefix=f"{prefix}.gate_up_proj",
         )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype=dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype=dtype,
+                                prefix=f"{prefix}.down_proj")
         self.act = SiluAndMul()
 
     def shard_sizes(self) -> list[int]:
@@ -120,13 +124,15 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int,
-                 attn_backend: type[AttentionBackend], dtype: torch.dtype) -> None:  # fmt: skip
+                 attn_backend: type[AttentionBackend], dtype: torch.dtype,
+                 prefix: str = "") -> None:  # fmt: skip
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = DecoderAttention(config, spec, layer_idx, attn_backend, dtype)
+        self.self_attn = DecoderAttention(config, spec, layer_idx, attn_backend, dtype,
+                                          prefix=f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = DecoderMLP(config, spec, dtype)
+        self.mlp = DecoderMLP(config, spec, dtype, prefix=f"{prefix}.mlp")
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
                 cos: torch.Tensor, sin: torch.Tensor,
@@ -152,7 +158,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, i, attn_backend, dtype)
+            DecoderLayer(config, spec, i, attn_backend, dtype, prefix=f"model.layers.{i}")
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -176,6 +182,8 @@ class LlamaForCausalLM(nn.Module):
     """Causal LM over ``DecoderModel``; parameter names follow HF's except the fused ones."""
 
     spec: ClassVar[DecoderSpec] = DecoderSpec()
+    # Read by the engine: tensor_parallel_size > 1 needs a model that splits its layers.
+    supports_tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, config: Any, attn_backend: type[AttentionBackend],
                  dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
@@ -200,8 +208,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+        return compute_logits(head, hidden)
 
     # ---- weight loading ----------------------------------------------------------------------
 
@@ -224,16 +232,14 @@ class LlamaForCausalLM(nn.Module):
                 names.add(name)
         return names
 
-    def _shard_slice(self, param_name: str, shard: int) -> tuple[int, int]:
-        owner = self.get_submodule(param_name.rsplit(".", 2)[0])  # the attn / mlp module
-        sizes = owner.shard_sizes()
-        return sum(sizes[:shard]), sizes[shard]
-
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors in (casting dtype, moving device); ValueError on unknown,
-        missing or mis-shaped names. Returns the names loaded."""
-        params = dict(self.named_parameters())
+        """Hand each HF-named tensor to its parameter's ``weight_loader`` (with the shard index
+        within a fused projection; the loader narrows, checks shapes, casts and copies);
+        ValueError on unknown, missing or mis-shaped names. Returns the names loaded. What the
+        quantization method does after loading is the engine's next step
+        (ember.quantization.base.finish_loading)."""
+        params = bind_weight_loaders(self)
         loaded: set[str] = set()
         unknown: list[str] = []
         for name, tensor in weights:
@@ -246,15 +252,8 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 unknown.append(name)
                 continue
-            dst = param.data
-            if shard is not None:
-                dst = dst.narrow(0, *self._shard_slice(target, shard))
-            if tuple(tensor.shape) != tuple(dst.shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(dst.shape)}"
-                )
-            dst.copy_(tensor)
+            param._ember_name = name  # type: ignore[attr-defined]  # errors name the HF weight
+            weight_loader(param)(param, tensor, shard)
             loaded.add(name)
         if unknown:
             raise ValueError(f"unknown weights for {type(self).__name__}: {_names(unknown)}")

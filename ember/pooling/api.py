@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ember.pooling.inputs import tokenize_prompts, verify_params
 from ember.pooling.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -29,7 +30,9 @@ if TYPE_CHECKING:
 
 
 def is_classifier(llm: LLM) -> bool:
-    return llm.llm_engine.model_config.architecture.endswith("ForSequenceClassification")
+    from ember.pooling.inputs import is_classifier as classifier
+
+    return classifier(llm.llm_engine.model_config)
 
 
 def check_pooling_model(llm: LLM, what: str) -> None:
@@ -51,21 +54,12 @@ def _params_list(params: PoolingParams | Sequence[PoolingParams] | None, n: int,
         if len(plist) != n:
             raise ValueError(f"got {len(plist)} PoolingParams for {n} prompts: give one, or one "
                              "per prompt")
-    hf = llm.llm_engine.model_config.hf_config
-    dims = getattr(hf, "matryoshka_dimensions", None)
-    matryoshka = list(dims) if dims else bool(getattr(hf, "is_matryoshka", False))
-    out, seen = [], {}
+    cfg = llm.llm_engine.model_config
+    seen: dict[int, PoolingParams] = {}
+    out = []
     for p in plist:
-        if not isinstance(p, PoolingParams):
-            raise ValueError(f"pooling_params must be PoolingParams, got {type(p).__name__}")
         if id(p) not in seen:
-            v = p.verify(task, int(getattr(hf, "hidden_size", 0)) or None, matryoshka)
-            if truncate is not None:
-                if v.truncate_prompt_tokens not in (None, truncate):
-                    raise ValueError("truncate_prompt_tokens given twice with different values")
-                v.truncate_prompt_tokens = truncate
-                v.verify(task, None, matryoshka)
-            seen[id(p)] = v
+            seen[id(p)] = verify_params(p, task, cfg, truncate)
         out.append(seen[id(p)])
     return out
 
@@ -74,56 +68,9 @@ def _tokenize(llm: LLM, prompts: list[Any], plist: list[PoolingParams],
               pairs: list[tuple[str, str]] | None = None) -> list[list[int]]:
     """Token ids per prompt (pairs: with each pair's second-segment start in its params)."""
     engine = llm.llm_engine
-    max_len = engine.max_model_len
-    tok = engine.get_tokenizer()
-    ids: list[list[int] | None] = [None] * len(prompts)
-    texts: dict[int | None, list[int]] = {}  # truncation -> indices of text prompts
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, dict):
-            engine.processor.check_prompt_keys(prompt)
-            if "prompt_token_ids" in prompt:
-                ids[i] = list(prompt["prompt_token_ids"])
-                continue
-            prompt = prompt.get("prompt")
-        if not isinstance(prompt, str):
-            raise ValueError("a prompt must be a string, a TextPrompt or a TokensPrompt, got "
-                             f"{type(prompt).__name__}")
-        if not prompt:
-            raise ValueError(f"prompt {i} is empty: give at least one token")
-        texts.setdefault(plist[i].truncate_prompt_tokens, []).append(i)
-    if texts and tok is None:
-        raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True was set)")
-    for keep, idx in texts.items():
-        kw: dict[str, Any] = {}
-        if keep is not None:  # the tokenizer truncates, keeping its special tokens
-            kw = {"truncation": True, "max_length": max_len if keep == -1 else keep}
-        if pairs is None:
-            enc = tok([prompts[i] if isinstance(prompts[i], str) else prompts[i]["prompt"]
-                       for i in idx], **kw)
-        else:
-            enc = tok([pairs[i][0] for i in idx], [pairs[i][1] for i in idx], **kw)
-        for j, i in enumerate(idx):
-            ids[i] = list(enc["input_ids"][j])
-            if pairs is not None:
-                seq = enc.sequence_ids(j) if hasattr(enc, "sequence_ids") else None
-                start = next((k for k, s in enumerate(seq or []) if s == 1), None)
-                plist[i] = plist[i].clone()
-                plist[i].pair_start = start
-    vocab = engine.model_config.vocab_size
-    for i, (p, toks) in enumerate(zip(plist, ids)):
-        assert toks is not None
-        keep = p.truncate_prompt_tokens
-        if keep is not None and not isinstance(prompts[i], str) and "prompt_token_ids" in prompts[i]:
-            toks = ids[i] = toks[-(max_len if keep == -1 else keep):]
-        if not toks:
-            raise ValueError(f"prompt {i} is empty: give at least one token")
-        if len(toks) > max_len:
-            raise ValueError(f"prompt {i} has {len(toks)} tokens, more than max_model_len="
-                             f"{max_len}: shorten it or pass truncate_prompt_tokens")
-        bad = [t for t in toks if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i}: token ids out of vocabulary [0, {vocab}): {bad[:5]}")
-    return ids  # type: ignore[return-value]
+    return tokenize_prompts(engine.get_tokenizer(), prompts, plist, engine.max_model_len,
+                            engine.model_config.vocab_size, pairs,
+                            check_keys=engine.processor.check_prompt_keys)
 
 
 def run_pooling(llm: LLM, prompts: Any, params: Any, truncate: int | None, task: str,

@@ -1,8 +1,10 @@
 """Which runner a model gets, and its pooling set-up as the checkpoint declares it.
 
-`resolve_runner`: vLLM's `runner` ("auto" | "generate" | "pooling"). "auto" picks pooling for
-architectures registered with capability runner="pooling" (encoder-only BERT) and for every
-`*ForSequenceClassification`; a causal LM runs as a pooling model only when asked.
+`resolve_runner`: vLLM's `runner` ("auto" | "generate" | "pooling") and `convert` ("auto" | "none" |
+"embed" | "classify"; "reward" is refused), with the deprecated `task` mapped onto them as vLLM
+does. "auto" picks pooling for architectures registered with capability runner="pooling"
+(encoder-only BERT) and for every `*ForSequenceClassification`; a causal LM runs as a pooling
+model (last-token embeddings) only when asked.
 
 `PoolerConfig.from_checkpoint`: sentence-transformers' `modules.json` names the Pooling module
 (its `config.json` gives the mode, a PoolerRegistry name) and a Normalize module (normalize);
@@ -13,9 +15,13 @@ default). `is_matryoshka` / `matryoshka_dimensions` in config.json allow `dimens
 from __future__ import annotations
 
 import json
+import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger("ember")
 
 RUNNERS = ("auto", "generate", "pooling")
 # sentence-transformers' Pooling flags -> PoolerRegistry names (a plugin may add the last three).
@@ -25,19 +31,89 @@ _ST_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean"
              "pooling_mode_weightedmean_tokens": "weightedmean"}
 
 
-def resolve_runner(requested: str, arch: str) -> str:
+# vLLM's `convert` (0.11+): how a model that is not natively a pooling model becomes one.
+CONVERTS = ("auto", "none", "embed", "classify", "reward")
+# vLLM's deprecated `task` -> (runner, convert), as vLLM maps it.
+TASK_MAP = {"auto": ("auto", "auto"), "generate": ("generate", "auto"),
+            "embed": ("pooling", "embed"), "embedding": ("pooling", "embed"),
+            "classify": ("pooling", "classify"), "score": ("pooling", "classify"),
+            "reward": ("pooling", "reward")}
+REFUSED_TASKS = {"transcription": "speech-to-text models are not supported",
+                 "draft": "draft models for speculative decoding are not supported"}
+_warned_tasks: set[str] = set()
+
+
+def check_task_and_convert(convert: str, task: str | None) -> None:
+    """ValueErrors naming the field for values ember does not know (EngineArgs.validate)."""
+    if convert not in CONVERTS:
+        raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
+    if task is not None and task not in TASK_MAP:
+        if task in REFUSED_TASKS:
+            raise ValueError(f"task={task!r} is not supported: {REFUSED_TASKS[task]}")
+        raise ValueError(f"task must be one of {', '.join(TASK_MAP)} (deprecated: use runner "
+                         f"and convert), got {task!r}")
+
+
+def runner_and_convert(runner: str, convert: str = "auto", task: str | None = None
+                       ) -> tuple[str, str]:
+    """(runner, convert) with vLLM's deprecated `task` folded in (with a warning)."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    check_task_and_convert(convert, task)
+    if task is None:
+        return runner, convert
+    t_runner, t_convert = TASK_MAP[task]
+    if task not in _warned_tasks:
+        _warned_tasks.add(task)
+        hint = f"runner={t_runner!r}" + (f", convert={t_convert!r}" if t_convert != "auto" else "")
+        message = f"task={task!r} is deprecated (as in vLLM 0.11): use {hint}"
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+        logger.warning(message)
+    if runner != "auto" and t_runner != "auto" and runner != t_runner:
+        raise ValueError(f"task={task!r} means runner={t_runner!r}, but runner={runner!r} "
+                         "was given: give runner and convert only")
+    if convert != "auto" and t_convert != "auto" and convert != t_convert:
+        raise ValueError(f"task={task!r} means convert={t_convert!r}, but convert={convert!r} "
+                         "was given: give runner and convert only")
+    return (t_runner if runner == "auto" else runner,
+            t_convert if convert == "auto" else convert)
+
+
+def resolve_runner(requested: str, arch: str, convert: str = "auto",
+                   task: str | None = None) -> str:
     from ember.registry import ModelRegistry
 
-    if requested not in RUNNERS:
-        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {requested!r}")
+    requested, convert = runner_and_convert(requested, convert, task)
     caps = ModelRegistry.entry(arch).capabilities if arch in ModelRegistry else {}
     pooling_only = caps.get("runner") == "pooling" or arch.endswith("ForSequenceClassification")
+    if requested == "generate" and convert not in ("auto", "none"):
+        raise ValueError(f"convert={convert!r} makes a pooling model: it needs runner='pooling' "
+                         "(or 'auto'), not 'generate'")
     if requested == "auto":
-        return "pooling" if pooling_only else "generate"
+        requested = "pooling" if pooling_only or convert not in ("auto", "none") else "generate"
     if requested == "generate" and pooling_only:
         raise ValueError(f"{arch} is a pooling model (embeddings / classification): it cannot "
                          "generate text; use runner='pooling' (or 'auto')")
+    if requested == "pooling":
+        _check_convert(arch, convert, pooling_only)
     return requested
+
+
+def _check_convert(arch: str, convert: str, native: bool) -> None:
+    classifier = arch.endswith("ForSequenceClassification")
+    if convert == "reward":
+        raise ValueError("convert='reward' (per-token reward scores) is not supported; a "
+                         "*ForSequenceClassification reward model runs with convert='classify'")
+    if convert == "none" and not native:
+        raise ValueError(f"convert='none' keeps {arch} as it is, but it is not a pooling model: "
+                         "use convert='embed' (last-token embeddings) or 'auto'")
+    if convert == "embed" and classifier:
+        raise ValueError(f"convert='embed' does not apply to {arch}, a classifier: use "
+                         "convert='auto' or 'classify' (classify / score)")
+    if convert == "classify" and not classifier:
+        raise ValueError(f"convert='classify' needs a *ForSequenceClassification checkpoint "
+                         f"(its trained score head); {arch} has none and ember does not add an "
+                         "untrained one: use convert='embed'")
 
 
 def st_max_seq_length(path: str) -> int | None:

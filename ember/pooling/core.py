@@ -63,6 +63,7 @@ class PoolingEngineCore:
         self.token_budget = max(args.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET,
                                 self.max_model_len)
         self.max_num_seqs = args.max_num_seqs
+        self.priority_policy = args.scheduling_policy == "priority"
         self.waiting: deque[EngineCoreRequest] = deque()
         self.rejected: list[str] = []  # generate requests that reached this core: aborted
         self.aborted: set[str] = set()
@@ -98,7 +99,10 @@ class PoolingEngineCore:
 
     # ---- stepping ----------------------------------------------------------------------
     def schedule(self) -> list[EngineCoreRequest]:
-        """Waiting requests, first come first served, up to the token budget and max_num_seqs."""
+        """Waiting requests, first come first served (under scheduling_policy="priority": lower
+        priority first, then arrival), up to the token budget and max_num_seqs."""
+        if self.priority_policy and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)))
         batch: list[EngineCoreRequest] = []
         tokens = 0
         while self.waiting and len(batch) < self.max_num_seqs:

@@ -93,7 +93,27 @@ class AttentionBackendRegistryType(LazyRegistry[type]):
 
 
 class QuantizationRegistryType(LazyRegistry[type]):
-    """Quantization method name (vLLM's `quantization=` values) -> method class."""
+    """Quantization method name (vLLM's `quantization=` values) -> method class.
+
+    Capabilities (defaults filled in): "platforms" (device types), "dtypes", "layer_kinds",
+    "checkpoint_formats" (checkpoint metadata the method reads: "gguf" or an HF
+    quantization_config quant_method; empty = it quantizes float weights after loading) and
+    "quantizes_float" (it can also quantize a float checkpoint). Selection reads them without
+    importing the method (ember.quantization.base.resolve_quantization)."""
+
+    def normalize_capabilities(self, caps: dict[str, Any]) -> dict[str, Any]:
+        out = dict(caps)
+        out.setdefault("platforms", ["cpu", "cuda"])
+        out.setdefault("dtypes", ["float32", "float16", "bfloat16"])
+        out.setdefault("layer_kinds", ["linear"])
+        out.setdefault("checkpoint_formats", [])
+        out.setdefault("quantizes_float", not out["checkpoint_formats"])
+        for key in ("platforms", "dtypes", "layer_kinds", "checkpoint_formats"):
+            if isinstance(out[key], str) or not all(isinstance(v, str) for v in out[key]):
+                raise ValueError(f"quantization capability {key!r} must be a list of names, "
+                                 f"got {out[key]!r}")
+            out[key] = list(out[key])
+        return out
 
     def register_quantization_method(self, name: str, method_cls: str | type, *,
                                      override: bool = False, **capabilities: Any) -> Entry:
@@ -277,8 +297,8 @@ _BUILTIN_BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
                     "sliding_window": True, "cuda_graphs": False, "priority": 20,
                     "requires": ["flashinfer", "triton"]}),  # its KV store is ours
 }
-_BUILTIN_QUANTIZATION: dict[str, str] = {
-    "int8": "ember.quantization.int8:Int8WeightOnly",
+_BUILTIN_QUANTIZATION: dict[str, tuple[str, dict[str, Any]]] = {
+    "int8": ("ember.quantization.int8:Int8WeightOnly", {}),
 }
 _BUILTIN_PLATFORMS = {
     "cpu": ("ember.platforms.cpu:CpuPlatform", {"device_type": "cpu"}),
@@ -313,8 +333,8 @@ for _name, _target in _BUILTIN_POOLERS.items():
     PoolerRegistry.register(_name, _target, owner="ember")
 for _name, (_target, _caps) in _BUILTIN_BACKENDS.items():
     AttentionBackendRegistry.register(_name, _target, owner="ember", capabilities=_caps)
-for _name, _target in _BUILTIN_QUANTIZATION.items():
-    QuantizationRegistry.register(_name, _target, owner="ember")
+for _name, (_target, _caps) in _BUILTIN_QUANTIZATION.items():
+    QuantizationRegistry.register(_name, _target, owner="ember", capabilities=_caps)
 for _name, (_target, _caps) in _BUILTIN_PLATFORMS.items():
     PlatformRegistry.register(_name, _target, owner="ember", capabilities=_caps)
 for _name, _target in _BUILTIN_EXECUTORS.items():

@@ -61,27 +61,29 @@ def choose_attention_backend(platform: Platform, model_config: ModelConfig,
         head_size=head_size(model_config),
         sliding_window=bool(getattr(model_config.hf_config, "sliding_window", None)),
         override=override,
+        kv_cache_dtype=model_config.kv_cache_dtype,
     )
 
 
 def build_model(args: EngineArgs, platform: Platform, model_config: ModelConfig,
                attn_backend: type[AttentionBackend], dtype: torch.dtype) -> nn.Module:
-    """The model class from the registry, its weights from the format's loader, then the
-    quantization method when one is asked for."""
+    """The model class from the registry, built with the quantization method's linear layers
+    (ember.quantization.base), its weights from the format's loader, then post-processed."""
     from ember.models.loader.formats import load_weights
-    from ember.registry import ModelRegistry, QuantizationRegistry
+    from ember.quantization.base import building_with, finish_loading, prepare_method
+    from ember.registry import ModelRegistry
 
     model_cls, arch = ModelRegistry.resolve_model_cls(model_config.architecture)
     check_parallel_support(model_cls, arch, args)
     progress = None if args.show_progress else False
-    model = load_weights(model_config, model_cls, attn_backend, dtype, platform.device(), progress)
-    if model_config.quantization is not None:
-        from ember.quantization.base import quantize_model
-
-        method_cls = QuantizationRegistry.resolve(model_config.quantization)
-        method = method_cls() if isinstance(method_cls, type) else method_cls
-        count = quantize_model(model, method)
-        logger.info("quantized %d linear layers with %s", count, model_config.quantization)
+    method = prepare_method(model_config.quantization, model_config.path, model_config.hf_config,
+                            platform.device_type, dtype)
+    with building_with(method):
+        model = load_weights(model_config, model_cls, attn_backend, dtype, platform.device(),
+                             progress)
+    count, nbytes = finish_loading(model, method)
+    how = f"{model_config.quantization}, {count} linear layers" if method else "unquantized"
+    logger.info("model weights take %.1f MiB (%s)", nbytes / 2**20, how)
     return model
 
 

@@ -26,6 +26,7 @@ from ember.entrypoints.openai import metrics as prom
 from ember.entrypoints.openai.chat_outputs import ServerParsers
 from ember.entrypoints.openai.errors import OpenAIError, error_body, install_error_handlers
 from ember.entrypoints.openai.limits import RequestLimitsMiddleware, ServerLimits
+from ember.entrypoints.openai.pooling_routes import add_pooling_routes
 from ember.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -33,7 +34,6 @@ from ember.entrypoints.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    EmbeddingRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -44,6 +44,7 @@ from ember.entrypoints.openai.protocol import (
 from ember.entrypoints.openai.serving_chat import create_chat_completion
 from ember.entrypoints.openai.serving_common import ServingContext
 from ember.entrypoints.openai.serving_completion import create_completion
+from ember.entrypoints.openai.serving_pooling import check_generate_model
 
 logger = logging.getLogger("ember")
 
@@ -140,20 +141,16 @@ def build_app(
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
+        check_generate_model(ctx, "/v1/completions")
         return await create_completion(req, raw, ctx)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        check_generate_model(ctx, "/v1/chat/completions")
         return await create_chat_completion(req, raw, ctx)
 
-    @app.post("/v1/embeddings", responses=_ERRORS)
-    async def embeddings(req: EmbeddingRequest) -> Response:
-        model = ctx.check_model(req.model)
-        raise OpenAIError(
-            f"The model `{model}` does not support embeddings: it is a generative model "
-            "(pooling models run offline, with LLM.embed, not on the server yet).", 400, param="model",
-            code="model_not_supported",
-        )
+    # /v1/embeddings, /pooling, /classify, /score, /rerank (400 on a generating model)
+    add_pooling_routes(app, ctx, _ERRORS)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:

@@ -271,15 +271,7 @@ class ChatCompletionStreamResponse(OpenAIModel):
     usage: UsageInfo | None = None
 
 
-# ---- /v1/embeddings, /tokenize, /detokenize, /version --------------------------------------
-class EmbeddingRequest(OpenAIRequest):
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
-    user: str | None = None
-
-
+# ---- /tokenize, /detokenize, /version (the pooling endpoints: protocol_pooling.py) ---------
 class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None

@@ -1,0 +1,275 @@
+"""The pooling endpoints on the server, against their references.
+
+The real all-MiniLM-L6-v2 through the official openai client (float and base64) against
+sentence-transformers; /score, /rerank and /v1/rerank with httpx on a tiny random cross-encoder
+against transformers, and /classify on it; /pooling; the refusals (wrong runner, wrong kind, empty
+and too-long input, unknown fields); `ember serve` of a pooling model behind two API servers,
+stopped with nothing left behind.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+from server_utils import ServerThread
+from test_pooling import SENTENCES, _tiny_bert, minilm_dir
+
+from ember.config import EngineArgs
+from ember.engine.async_llm import AsyncLLM
+from ember.entrypoints.openai.api_server import build_app
+
+NAME = "mini"
+
+
+class PoolingServer:
+    def __init__(self, path: str, **engine_args) -> None:
+        self.engine = AsyncLLM.from_engine_args(EngineArgs(model=path, **engine_args))
+        self.thread = ServerThread(build_app(self.engine, [NAME])).start()
+        self.url = self.thread.base_url
+
+    def post(self, path: str, **body) -> httpx.Response:
+        return httpx.post(self.url + path, json={"model": NAME, **body}, timeout=120)
+
+    def stop(self) -> None:
+        self.thread.stop()  # the app's lifespan shuts the engine down
+
+
+@pytest.fixture(scope="module")
+def st_reference():
+    st = pytest.importorskip("sentence_transformers")
+    model = st.SentenceTransformer(minilm_dir(), device="cpu")
+    return torch.tensor(model.encode(SENTENCES, batch_size=4))
+
+
+@pytest.fixture(scope="module")
+def minilm_server():
+    server = PoolingServer(minilm_dir(), scheduling_policy="priority")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(minilm_server):
+    with openai.OpenAI(base_url=minilm_server.url + "/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+def _vector(value: list[float] | str) -> np.ndarray:
+    if isinstance(value, str):
+        return np.frombuffer(base64.b64decode(value), dtype="<f4")
+    return np.asarray(value, dtype=np.float32)
+
+
+def _error(response: httpx.Response, status: int = 400) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+def test_openai_client_embeddings_equal_sentence_transformers(client, st_reference):
+    # Left out, encoding_format is base64 on the wire and the client decodes it; given as
+    # base64, the client hands the strings over.
+    for fmt in (openai.NOT_GIVEN, "base64", "float"):
+        got = client.embeddings.create(model=NAME, input=SENTENCES, encoding_format=fmt,
+                                       user="alice")
+        vecs = torch.tensor(np.stack([_vector(d.embedding) for d in got.data]))
+        assert [d.index for d in got.data] == list(range(len(SENTENCES)))
+        assert F.cosine_similarity(vecs, st_reference).min() >= 0.99999
+        assert got.usage.prompt_tokens == got.usage.total_tokens > len(SENTENCES)
+    one = client.embeddings.create(model=NAME, input=SENTENCES[2], encoding_format="float")
+    assert F.cosine_similarity(torch.tensor(one.data[0].embedding), st_reference[2], dim=0) >= 0.99999
+    with pytest.raises(openai.BadRequestError, match="dimensions") as exc:
+        client.embeddings.create(model=NAME, input="hello", dimensions=64)
+    assert exc.value.body["param"] == "dimensions"
+
+
+def test_embedding_inputs_and_fields(minilm_server, st_reference):
+    server = minilm_server
+    tok = server.engine.tokenizer
+    ids = [tok(s)["input_ids"] for s in SENTENCES[:3]]
+    for value, want in ((ids[0], [0]), (ids, [0, 1, 2])):  # token ids, one list or several
+        body = server.post("/v1/embeddings", input=value).json()
+        got = torch.tensor([d["embedding"] for d in body["data"]])
+        assert F.cosine_similarity(got, st_reference[want]).min() >= 0.99999
+    raw = server.post("/v1/embeddings", input=SENTENCES[:2], normalize=False).json()
+    raw_vecs = torch.tensor([d["embedding"] for d in raw["data"]])
+    assert not torch.allclose(raw_vecs.norm(dim=1), torch.ones(2))
+    assert torch.allclose(F.normalize(raw_vecs, dim=1), st_reference[:2], atol=1e-5)
+    plain = server.post("/v1/embeddings", input=SENTENCES[2], add_special_tokens=False).json()
+    assert plain["usage"]["prompt_tokens"] == len(ids[2]) - 2  # no [CLS] / [SEP]
+    cut = server.post("/v1/embeddings", input="word " * 1000, truncate_prompt_tokens=10).json()
+    assert cut["usage"]["prompt_tokens"] == 10
+    named = server.post("/v1/embeddings", input="x", request_id="abc").json()
+    assert named["id"] == "embd-abc"
+    assert server.post("/v1/embeddings", input="x", priority=-1).status_code == 200
+
+
+def test_bad_input_is_a_clear_400(minilm_server):
+    server = minilm_server
+    err = _error(server.post("/v1/embeddings", input="word " * 1000))
+    assert "max_model_len=256" in err["message"] and "truncate_prompt_tokens" in err["message"]
+    assert err["code"] == "context_length_exceeded"
+    err = _error(server.post("/v1/embeddings", input="word " * 100_000))  # refused untokenized
+    assert "max_model_len=256" in err["message"]
+    for empty in ("", [], [""], [[]]):
+        assert "empty" in _error(server.post("/v1/embeddings", input=empty))["message"]
+    err = _error(server.post("/v1/embeddings", input=[10**7]))
+    assert "vocabulary" in err["message"]
+    assert _error(server.post("/v1/embeddings", input="x", messages=[]))["param"] == "messages"
+    assert _error(server.post("/v1/embeddings", input="x", use_activation=True))["param"] == (
+        "use_activation")
+    err = _error(server.post("/v1/embeddings", input="x", truncate_prompt_tokens=1000))
+    assert "max_model_len" in err["message"] and err["param"] == "truncate_prompt_tokens"
+    assert _error(server.post("/v1/embeddings", input="x", model="other"), 404)["param"] == (
+        "model")
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        err = _error(server.post(path, **body))
+        assert "runner 'pooling'" in err["message"] and err["code"] == "model_not_supported"
+    err = _error(server.post("/classify", input="x"))
+    assert "classification model" in err["message"] and "BertModel" in err["message"]
+    # ...and the server still serves.
+    assert server.post("/v1/embeddings", input="fine").status_code == 200
+    assert server.engine.stats()["num_unfinished_requests"] == 0
+
+
+def test_pooling_score_and_rerank_on_an_embedding_model(minilm_server, st_reference):
+    server = minilm_server
+    body = server.post("/pooling", input=SENTENCES[:2], encoding_format="base64").json()
+    assert body["data"][0]["object"] == "pooling"
+    assert all(isinstance(d["data"], str) for d in body["data"])
+    vecs = torch.tensor(np.stack([_vector(d["data"]) for d in body["data"]]))
+    assert F.cosine_similarity(vecs, st_reference[:2]).min() >= 0.99999
+    scores = server.post("/score", text_1=SENTENCES[4], text_2=[SENTENCES[5], SENTENCES[14]]).json()
+    want = (st_reference[4] @ st_reference[[5, 14]].T).tolist()
+    assert [d["score"] for d in scores["data"]] == pytest.approx(want, abs=1e-5)
+    docs = [SENTENCES[14], SENTENCES[5], SENTENCES[0]]
+    ranked = server.post("/v1/rerank", query=SENTENCES[4], documents=docs, top_n=2).json()
+    sims = (st_reference[4] @ st_reference[[14, 5, 0]].T).tolist()
+    best = sorted(range(3), key=lambda i: sims[i], reverse=True)[:2]
+    assert [r["index"] for r in ranked["results"]] == best
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx(
+        [sims[i] for i in best], abs=1e-5)
+    assert ranked["results"][0]["document"] == {"text": docs[best[0]]}
+    err = _error(server.post("/score", text_1="a", text_2="b", use_activation=False))
+    assert err["param"] == "use_activation"
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    hf, tok, path = _tiny_bert(tmp_path_factory.mktemp("xenc"), num_labels=1)
+    server = PoolingServer(path)
+    yield server, hf, tok
+    server.stop()
+
+
+def _logits(hf, tok, a: str, b: str | None = None) -> torch.Tensor:
+    with torch.no_grad():
+        enc = tok(a, b, return_tensors="pt") if b is not None else tok(a, return_tensors="pt")
+        return hf(**enc).logits[0]
+
+
+@pytest.mark.slow
+def test_cross_encoder_score_rerank_and_classify_match_transformers(cross_encoder):
+    server, hf, tok = cross_encoder
+    query, docs = SENTENCES[5], [SENTENCES[4], SENTENCES[2], SENTENCES[13], SENTENCES[0]]
+    logits = torch.stack([_logits(hf, tok, query, d)[0] for d in docs])
+    want = logits.sigmoid().tolist()
+    got = server.post("/score", text_1=query, text_2=docs).json()
+    assert [d["score"] for d in got["data"]] == pytest.approx(want, abs=1e-5)
+    raw = server.post("/score", text_1=[query] * 4, text_2=docs, use_activation=False).json()
+    assert [d["score"] for d in raw["data"]] == pytest.approx(logits.tolist(), abs=1e-4)
+    order = sorted(range(4), key=lambda i: want[i], reverse=True)
+    for path in ("/rerank", "/v1/rerank"):
+        ranked = server.post(path, query=query, documents=docs).json()
+        assert [r["index"] for r in ranked["results"]] == order
+        assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx(
+            [want[i] for i in order], abs=1e-5)
+        assert [r["document"]["text"] for r in ranked["results"]] == [docs[i] for i in order]
+    short = server.post("/rerank", query=query, documents=docs, top_n=1,
+                        return_documents=False).json()
+    assert short["results"] == [{"index": order[0], "relevance_score": pytest.approx(
+        want[order[0]], abs=1e-5)}]
+    assert short["usage"]["prompt_tokens"] > 0
+    classes = server.post("/classify", input=SENTENCES[:3]).json()
+    for text, item in zip(SENTENCES[:3], classes["data"]):
+        assert item["num_classes"] == 1 and item["label"] == "LABEL_0"
+        assert item["probs"] == pytest.approx(_logits(hf, tok, text).sigmoid().tolist(), abs=1e-5)
+    assert "text_1 has 2" in _error(server.post("/score", text_1=[query] * 2, text_2=docs))[
+        "message"]
+    assert _error(server.post("/rerank", query=query, documents=[]))["param"] == "documents"
+    assert _error(server.post("/rerank", query=query, documents=docs, top_n=-1))["param"] == (
+        "top_n")
+    err = _error(server.post("/v1/embeddings", input="x"))
+    assert "classification model" in err["message"]
+    # vLLM's other fields: raw logits, the older activation spelling, truncation, ids, priority
+    for path, body in (("/classify", {"input": SENTENCES[2]}), ("/pooling", {"input": SENTENCES[2]})):
+        for off in ({"use_activation": False}, {"activation": False}):
+            got = server.post(path, **body, **off).json()["data"][0]
+            assert got.get("probs", got.get("data")) == pytest.approx(
+                _logits(hf, tok, SENTENCES[2]).tolist(), abs=1e-4)
+    full = server.post("/classify", input=SENTENCES[2]).json()["usage"]["prompt_tokens"]
+    plain = server.post("/classify", input=SENTENCES[2], add_special_tokens=False).json()
+    assert plain["usage"]["prompt_tokens"] == full - 2
+    for path, body in (("/classify", {"input": [SENTENCES[3]] * 2}),
+                       ("/score", {"text_1": query, "text_2": [SENTENCES[3]] * 2}),
+                       ("/rerank", {"query": query, "documents": [SENTENCES[3]] * 2})):
+        cut = server.post(path, **body, truncate_prompt_tokens=6, request_id="r1").json()
+        assert cut["usage"]["prompt_tokens"] == 12 and cut["id"].endswith("-r1"), cut
+        err = _error(server.post(path, **body, priority=1))
+        assert err["param"] == "priority" and "scheduling_policy" in err["message"]
+
+
+def test_pooling_endpoints_refuse_a_generative_model():
+    from server_utils import shared_server
+
+    url = shared_server().base_url
+    for path, body in (("/v1/embeddings", {"input": "x"}), ("/pooling", {"input": "x"}),
+                       ("/classify", {"input": "x"}), ("/score", {"text_1": "a", "text_2": "b"}),
+                       ("/rerank", {"query": "a", "documents": ["b"]})):
+        err = _error(httpx.post(url + path, json=body, timeout=60))
+        assert "runner 'generate'" in err["message"] and err["code"] == "model_not_supported"
+
+
+def test_pooling_core_honours_priority():
+    from ember.core.messages import EngineCoreRequest
+    from ember.pooling.core import PoolingEngineCore
+    from ember.pooling.params import PoolingParams
+    from ember.sampling_params import SamplingParams
+
+    core = PoolingEngineCore(EngineArgs(model=minilm_dir(), scheduling_policy="priority",
+                                        max_num_seqs=1))
+    for i, prio in enumerate((5, -1, 3)):
+        core.add_request(EngineCoreRequest(f"r{i}", [101, 2000 + i, 102], SamplingParams(), [],
+                                           float(i), priority=prio,
+                                           pooling_params=PoolingParams(task="embed")))
+    order = [core.step().outputs[0].request_id for _ in range(3)]
+    assert order == ["r1", "r2", "r0"]
+
+
+@pytest.mark.slow
+def test_serve_pooling_model_two_api_servers_and_clean_exit(tmp_path, st_reference):
+    from test_server_processes import Serve
+
+    serve = Serve(tmp_path, "--model", minilm_dir(), "--api-server-count", "2",
+                  "--hf-overrides", '{"matryoshka_dimensions": [64, 128]}')
+    try:
+        serve.wait_healthy()
+        for _ in range(4):  # a new connection each: both API servers answer some
+            with serve.client() as c:
+                got = c.embeddings.create(model="smol", input=SENTENCES[:4])
+                cut = c.embeddings.create(model="smol", input=SENTENCES[:4], dimensions=64)
+            vecs = torch.tensor([d.embedding for d in got.data])
+            assert F.cosine_similarity(vecs, st_reference[:4]).min() >= 0.99999
+            # Matryoshka: the first 64 values, normalized again (sentence-transformers' way)
+            short = torch.tensor([d.embedding for d in cut.data])
+            want = F.normalize(st_reference[:4, :64], dim=1)
+            assert short.shape == (4, 64) and F.cosine_similarity(short, want).min() >= 0.99999
+    finally:
+        serve.stop_and_check_no_orphans()
+    assert serve.proc.returncode == 0
