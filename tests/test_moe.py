@@ -1,0 +1,254 @@
+"""Mixture of experts below the engine: routing against transformers' routers, the torch expert
+path against transformers' MoE blocks, the fused Triton path (routing, expert sort, grouped
+GEMMs) against the torch path, and expert-weight loading (per-expert and fused names, errors).
+
+Without CUDA the Triton kernels run under TRITON_INTERPRET=1 at small shapes; the ``gpu``
+tests run them compiled at the Qwen3-30B-A3B and Mixtral shapes in bfloat16, and under a
+captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before a kernel module is imported: @triton.jit reads it then.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from moe_factory import make_moe_config, make_moe_hf_model, make_moe_model  # noqa: E402
+
+from ember.attention_backends.sdpa import SdpaBackend  # noqa: E402
+from ember.kernels import fused_moe as fm  # noqa: E402
+from ember.layers.moe import FusedMoE, moe_torch, route  # noqa: E402
+from ember.models.loader import load_model  # noqa: E402
+from ember.models.mixtral import MixtralForCausalLM  # noqa: E402
+from ember.models.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+CLASSES = {"qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM}
+
+
+def _experts(e: int, h: int, inter: int, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(e, 2 * inter, h, generator=gen) / h**0.5
+    w2 = torch.randn(e, h, inter, generator=gen) / inter**0.5
+    return w13.to(device, dtype), w2.to(device, dtype)
+
+
+# ---- routing and the torch path against transformers ---------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_block_equals_hf(arch, dtype):
+    """Our SparseMoeBlock (router + torch experts) against HF's block on the same weights, bit
+    for bit, in float32 and bfloat16 (each casts its routing weights as HF does)."""
+    hf = make_moe_hf_model(arch).to(dtype)
+    hf_block = hf.model.layers[0].mlp
+    model = load_model(hf.config, CLASSES[arch], SdpaBackend, dtype,
+                       weights=((n, t) for n, t in _hf_state(arch, hf)))
+    ours = model.model.layers[0].mlp
+    x = torch.randn(1, 37, hf.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    x = x.to(dtype)
+    with torch.no_grad():
+        want = hf_block(x)
+        want = want[0] if isinstance(want, tuple) else want  # older transformers: (out, logits)
+        got = ours(x[0])
+    assert torch.equal(got, want.reshape(got.shape))
+
+
+def _hf_state(arch, hf):
+    """HF's weights under the names its checkpoints use (per expert), as save_pretrained writes."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d, safe_serialization=True)
+        return list(load_file(os.path.join(d, "model.safetensors")).items())
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_matches_topk_softmax(renormalize):
+    logits = torch.randn(9, 12, generator=torch.Generator().manual_seed(0))
+    weights, ids = route(logits, 3, renormalize, None)
+    probs = torch.softmax(logits, -1)
+    want_w, want_ids = probs.topk(3, -1)
+    if renormalize:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(9))
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w)
+
+
+# ---- the fused Triton path against the torch path -------------------------------------------
+
+# (tokens, experts, top_k, hidden, intermediate): experts left without tokens, an expert with
+# more tokens than one BLOCK_M block, sizes that are no multiple of the tiles, top-1.
+SHAPES = [(1, 8, 2, 32, 16), (7, 6, 3, 40, 24), (24, 3, 2, 32, 48), (3, 4, 1, 16, 16)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_fused_route_matches_torch(shape, renormalize):
+    t, e, k, _, _ = shape
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(t)).to(DEV)
+    weights, ids, ranks = fm.route(logits, k, renormalize)
+    want_w, want_ids = route(logits, k, renormalize, None)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-6)
+    # Ranks number each expert's pairs 0, 1, 2...: every (expert, rank) pair once.
+    flat = ids.flatten().tolist()
+    seen = sorted(zip(flat, ranks.tolist()))
+    assert seen == sorted((x, r) for x in set(flat) for r in range(flat.count(x)))
+    fm.align(ids.flatten(), ranks, e, 16)  # consumes the counts the route left
+    assert not fm._counts(logits.device)[:e].any()
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_align_sorts_pairs_by_expert(block_m):
+    gen = torch.Generator().manual_seed(1)
+    e, n = 5, 70  # four experts hit, most with more rows than one block
+    ids = torch.randint(0, e, (n,), generator=gen, dtype=torch.int32)
+    ids[ids == 3] = 2  # expert 3 gets nothing
+    ids = ids.to(DEV)
+    ranks = fm.count(ids, e)
+    sorted_ids, expert_ids, num_post = fm.align(ids, ranks, e, block_m)
+    total = int(num_post)
+    counts = torch.bincount(ids.cpu().long(), minlength=e)
+    assert total == int(((counts + block_m - 1) // block_m * block_m).sum())
+    sorted_ids, expert_ids = sorted_ids.cpu(), expert_ids.cpu()
+    real = sorted_ids[:total]
+    assert sorted(real[real < n].tolist()) == list(range(n))  # each pair once
+    assert (sorted_ids[total:] == n).all()  # the rest is sentinel
+    for b in range(total // block_m):
+        rows = sorted_ids[b * block_m:(b + 1) * block_m]
+        rows = rows[rows < n].long()
+        assert (ids.cpu()[rows] == expert_ids[b]).all(), f"block {b}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fused_experts_match_torch_float32(shape):
+    t, e, k, h, inter = shape
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(t, h, generator=gen).to(DEV)
+    w13, w2 = _experts(e, h, inter, device=DEV)
+    logits = torch.randn(t, e, generator=gen).to(DEV)
+    weights, ids = route(logits, k, True, None)
+    want = moe_torch(x, w13, w2, weights, ids)
+    got = fm.fused_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    # The whole forward (routing on the device too).
+    got = fm.fused_moe(x, w13, w2, logits, k, True)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_fused_moe_no_tokens():
+    w13, w2 = _experts(4, 16, 16, device=DEV)
+    x = torch.empty(0, 16, device=DEV)
+    assert fm.fused_moe(x, w13, w2, torch.empty(0, 4, device=DEV), 2, True).shape == (0, 16)
+
+
+def test_too_many_experts_refused():
+    with pytest.raises(ValueError, match="experts"):
+        fm.route(torch.zeros(1, fm.MAX_EXPERTS + 1, device=DEV), 2, True)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        FusedMoE(4, 5, 16, 16, True, torch.float32)
+
+
+# ---- weight loading --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_fused_checkpoint_layout_loads_the_same(arch):
+    """transformers 5 keeps experts fused in memory ([E, 2I, H] gate_up, [E, H, I] down): a
+    state dict in that layout loads into the same tensors as the per-expert checkpoint."""
+    hf = make_moe_hf_model(arch)
+    per_expert = load_model(hf.config, CLASSES[arch], SdpaBackend, torch.float32,
+                            weights=iter(_hf_state(arch, hf)))
+    fused = load_model(hf.config, CLASSES[arch], SdpaBackend, torch.float32,
+                       weights=iter(hf.state_dict().items()))
+    a, b = per_expert.state_dict(), fused.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_missing_and_misshapen_experts_are_named(tmp_path):
+    hf = make_moe_hf_model("qwen3_moe")
+    state = _hf_state("qwen3_moe", hf)
+    missing = "model.layers.2.mlp.experts.5.up_proj.weight"
+    with pytest.raises(ValueError, match=r"missing.*layers\.2\.mlp\.experts\.w13.*\(5, 1\)"):
+        load_model(hf.config, Qwen3MoeForCausalLM, SdpaBackend, torch.float32,
+                   weights=((n, t) for n, t in state if n != missing))
+    bad = [(n, t[:, :-1] if n == missing else t) for n, t in state]
+    with pytest.raises(ValueError, match=r"experts\.5\.up_proj"):
+        load_model(hf.config, Qwen3MoeForCausalLM, SdpaBackend, torch.float32, weights=iter(bad))
+    extra = [*state, ("model.layers.0.mlp.experts.9.gate_proj.weight", state[0][1])]
+    with pytest.raises(ValueError, match=r"experts\.9"):
+        load_model(hf.config, Qwen3MoeForCausalLM, SdpaBackend, torch.float32,
+                   weights=iter(extra))
+    path = make_moe_model("mixtral", tmp_path, hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act"):
+        load_model(path, MixtralForCausalLM, SdpaBackend, torch.float32)
+
+
+def test_dense_and_sparse_layers_follow_the_config():
+    cfg = make_moe_config("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[0],
+                          decoder_sparse_step=2)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg, SdpaBackend, torch.float32)
+    kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
+    assert kinds == ["DecoderMLP", "SparseMoeBlock", "DecoderMLP", "SparseMoeBlock"]
+
+
+# ---- GPU: real shapes in bfloat16, CUDA graphs ----------------------------------------------
+
+# Qwen3-30B-A3B (128 experts, top 8, 2048 / 768) and Mixtral-8x7B (8, top 2, 4096 / 14336).
+GPU_SHAPES = [(128, 8, 2048, 768), (8, 2, 4096, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 3, 16, 200, 2048])
+def test_gpu_fused_moe_bf16_close_to_torch(shape, tokens):
+    e, k, h, inter = shape
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, h, generator=gen).cuda().bfloat16()
+    w13, w2 = _experts(e, h, inter, torch.bfloat16, "cuda")
+    logits = torch.randn(tokens, e, generator=gen).cuda().bfloat16()
+    weights, ids = route(logits, k, True, torch.bfloat16)
+    want = moe_torch(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    got = fm.fused_moe(x, w13, w2, logits, k, True, round_weights=True)
+    ref = moe_torch(x, w13, w2, weights, ids)  # the torch path in bf16: the error to meet
+    err = (got.float() - want).abs().max().item()
+    ref_err = (ref.float() - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= max(2 * ref_err, 1e-2 * scale), (err, ref_err, scale)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_moe_in_cuda_graph_equals_eager():
+    e, k, h, inter = GPU_SHAPES[0]
+    w13, w2 = _experts(e, h, inter, torch.bfloat16, "cuda")
+    x = torch.randn(8, h, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(8, e, device="cuda", dtype=torch.bfloat16)
+    eager = fm.fused_moe(x, w13, w2, logits, k, True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fm.fused_moe(x, w13, w2, logits, k, True)  # warm-up: compiles, allocates the scratch
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe(x, w13, w2, logits, k, True)
+    for seed in range(3):  # new inputs in place: the graph routes them afresh
+        gen = torch.Generator().manual_seed(seed)
+        x.copy_(torch.randn(8, h, generator=gen))
+        logits.copy_(torch.randn(8, e, generator=gen))
+        graph.replay()
+        torch.testing.assert_close(out, fm.fused_moe(x, w13, w2, logits, k, True), atol=0, rtol=0)
+    assert not torch.equal(out, eager)
