@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
                   "bf16": "bfloat16"}
 
@@ -38,6 +39,9 @@ class EngineArgs:
     device: str | None = None  # platform name; None = detect
     attention_backend: str | None = None
     block_size: int = 16
+    # vLLM's: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn with per-tensor
+    # scales; the triton attention backend only).
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
@@ -129,6 +133,11 @@ class EngineArgs:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         check_task_and_convert(self.convert, self.task)
         self._validate_parallel()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}"
+                             + (" (fp8_e5m2 is not supported)" if "e5m2" in self.kv_cache_dtype
+                                else ""))
         if self.quantization not in (None, "gguf"):
             from ember.registry import QuantizationRegistry
 
@@ -183,6 +192,7 @@ class ModelConfig:
     # EngineArgs.structured_outputs_config, resolved (a StructuredOutputsConfig; None: defaults).
     structured_outputs: Any = None
     runner: str = "generate"  # "generate" | "pooling" (EngineArgs.runner, resolved)
+    kv_cache_dtype: str = "auto"  # EngineArgs.kv_cache_dtype
     hub: Any = None  # an ember.models.loader.hub.HubModel when `model` was a hub name
 
     @property
@@ -362,6 +372,9 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
     from ember.pooling.config import resolve_runner, st_max_seq_length
 
     runner = resolve_runner(args.runner, arch, args.convert, args.task)
+    if runner == "pooling" and args.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r}: pooling models keep no KV "
+                         "cache")
     max_model_len = args.max_model_len
     if runner == "pooling" and max_model_len is None:
         max_model_len = st_max_seq_length(path)  # sentence-transformers' own limit
@@ -383,6 +396,7 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
         structured_outputs=_structured_outputs_config(args),
         default_sampling=_default_sampling(args, path),
         runner=runner,
+        kv_cache_dtype=args.kv_cache_dtype,
         hub=hub,
     )
 

@@ -46,6 +46,8 @@ FIELD_TESTS: dict[str, list[str]] = {
     "device": ["test_platforms.py::test_explicit_device_and_env"],
     "attention_backend": ["test_platforms.py::test_override_argument_and_env"],
     "block_size": [f"{HERE}::test_engine_sizes"],
+    "kv_cache_dtype": ["test_kv_cache_dtype.py::test_fp8_kv_cache_equals_attention_over_rounded_kv",  # noqa: E501
+                       "test_kv_cache_dtype.py::test_kv_cache_dtype_refusals"],
     "enable_prefix_caching": ["test_engine_tiny_models.py::test_shared_prefix_hits_cache_and_keeps_outputs"],  # noqa: E501
     "gpu_memory_utilization": ["test_platforms.py::test_cuda_kv_cache_budget",
                                f"{HERE}::test_gpu_memory_utilization_on_the_cpu_says_it_does_nothing"],  # noqa: E501

@@ -3,10 +3,11 @@
 Candidates are every registered backend, in this order: the platform's
 `preferred_attention_backends` first (in its order), then the others by descending "priority"
 (then name). The first whose static capabilities fit wins: device (the platform's device type or
-name), dtype, head size, sliding window, CUDA graphs, and required modules being installed
-(checked with find_spec, nothing imported). A user override (`override=` / EMBER_ATTENTION_BACKEND)
-skips the ranking, and fails with the reason when the backend does not fit; nothing falls back
-silently. Only the chosen backend's module is imported.
+name), dtype, head size, sliding window, CUDA graphs, KV-cache dtype ("kv_cache_dtypes": fp8
+caches), and required modules being installed (checked with find_spec, nothing imported). A
+user override (`override=` / EMBER_ATTENTION_BACKEND) skips the ranking, and fails with the
+reason when the backend does not fit; nothing falls back silently. Only the chosen backend's
+module is imported.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def _module_missing(name: str) -> bool:
 
 
 def rejection(entry: Entry, platform: Platform, *, dtype: str, head_size: int,
-              sliding_window: bool, need_cuda_graphs: bool) -> str | None:
+              sliding_window: bool, need_cuda_graphs: bool,
+              kv_cache_dtype: str = "auto") -> str | None:
     """Why `entry` cannot run this model on `platform`, or None when it can."""
     caps = entry.capabilities
     devices = _devices(caps)
@@ -56,6 +58,9 @@ def rejection(entry: Entry, platform: Platform, *, dtype: str, head_size: int,
         return "the model uses a sliding window, which it does not support"
     if need_cuda_graphs and not caps.get("cuda_graphs", False):
         return "CUDA graphs are needed, and it is not graph-safe"
+    if kv_cache_dtype not in caps.get("kv_cache_dtypes", ["auto"]):
+        return (f"kv_cache_dtype={kv_cache_dtype!r} not supported (supports "
+                f"{caps.get('kv_cache_dtypes', ['auto'])})")
     missing = [m for m in caps.get("requires", []) if _module_missing(m)]
     if missing:
         return f"needs {', '.join(missing)}, not installed"
@@ -70,16 +75,18 @@ def rank_attention_backends(
     sliding_window: bool = False,
     need_cuda_graphs: bool = False,
     override: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[str, list[str]]:
     """The chosen backend's name and one line per candidate saying why (imports nothing)."""
     from ember.registry import AttentionBackendRegistry as registry
 
     dtype = canonical_dtype(dtype)
     want = dict(dtype=dtype, head_size=head_size, sliding_window=sliding_window,
-                need_cuda_graphs=need_cuda_graphs)
+                need_cuda_graphs=need_cuda_graphs, kv_cache_dtype=kv_cache_dtype)
     lines = [f"model needs: dtype {dtype}, head size {head_size}"
              + (", sliding window" if sliding_window else "")
-             + (", CUDA graphs" if need_cuda_graphs else "")]
+             + (", CUDA graphs" if need_cuda_graphs else "")
+             + (f", kv_cache_dtype {kv_cache_dtype}" if kv_cache_dtype != "auto" else "")]
     source = "override="
     if override is None and envs.attention_backend():
         override, source = envs.attention_backend(), "EMBER_ATTENTION_BACKEND="
@@ -139,13 +146,14 @@ def select_attention_backend(
     sliding_window: bool = False,
     need_cuda_graphs: bool = False,
     override: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> type[AttentionBackend]:
     """The AttentionBackend class to use (see the module docstring for the rules)."""
     from ember.registry import AttentionBackendRegistry
 
     name, _ = rank_attention_backends(
         platform, dtype=dtype, head_size=head_size, sliding_window=sliding_window,
-        need_cuda_graphs=need_cuda_graphs, override=override,
+        need_cuda_graphs=need_cuda_graphs, override=override, kv_cache_dtype=kv_cache_dtype,
     )
     return AttentionBackendRegistry.resolve(name)
 
@@ -158,12 +166,13 @@ def explain_attention_backend(
     sliding_window: bool = False,
     need_cuda_graphs: bool = False,
     override: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> list[str]:
     """Why select_attention_backend would pick what it picks, one line per candidate."""
     try:
         return rank_attention_backends(
             platform, dtype=dtype, head_size=head_size, sliding_window=sliding_window,
-            need_cuda_graphs=need_cuda_graphs, override=override,
+            need_cuda_graphs=need_cuda_graphs, override=override, kv_cache_dtype=kv_cache_dtype,
         )[1]
     except ValueError as exc:
         return [f"error: {exc}"]

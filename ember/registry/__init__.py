@@ -80,12 +80,14 @@ class AttentionBackendRegistryType(LazyRegistry[type]):
         priority: int = 0,
         requires: list[str] | None = None,
         env_devices: dict[str, list[str]] | None = None,
+        kv_cache_dtypes: list[str] | None = None,
         override: bool = False,
     ) -> Entry:
         caps = {"devices": list(devices), "dtypes": list(dtypes), "head_sizes": head_sizes,
                 "sliding_window": sliding_window, "cuda_graphs": cuda_graphs,
                 "priority": priority, "requires": list(requires or []),
-                "env_devices": dict(env_devices or {})}
+                "env_devices": dict(env_devices or {}),
+                "kv_cache_dtypes": list(kv_cache_dtypes or ["auto"])}
         return self.register(name, backend_cls, capabilities=caps, override=override)
 
     def get_supported_backends(self) -> list[str]:
@@ -291,7 +293,8 @@ _BUILTIN_BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
     "triton": ("ember.attention_backends.triton_backend:TritonBackend",
                {"devices": ["cuda"], "dtypes": _ALL, "head_sizes": [16, 32, 64, 128, 256],
                 "sliding_window": True, "cuda_graphs": True, "priority": 10,
-                "requires": ["triton"], "env_devices": {"TRITON_INTERPRET=1": ["cpu"]}}),
+                "requires": ["triton"], "env_devices": {"TRITON_INTERPRET=1": ["cpu"]},
+                "kv_cache_dtypes": ["auto", "fp8", "fp8_e4m3"]}),
     "flashinfer": ("ember.attention_backends.flashinfer_backend:FlashInferBackend",
                    {"devices": ["cuda"], "dtypes": _HALF, "head_sizes": [64, 128, 256],
                     "sliding_window": True, "cuda_graphs": False, "priority": 20,

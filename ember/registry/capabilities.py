@@ -36,6 +36,7 @@ ATTENTION_BACKEND_CAPS: dict[str, Any] = {
     "priority": 0,  # higher wins among backends the platform does not order
     "requires": [],  # importable modules it needs (checked with find_spec, no import)
     "env_devices": {},  # {"VAR=value": [devices]}: extra devices while an env var is set
+    "kv_cache_dtypes": ["auto"],  # EngineArgs.kv_cache_dtype values it reads and writes
 }
 
 
@@ -52,7 +53,7 @@ def backend_caps(raw: dict[str, Any]) -> dict[str, Any]:
         if key not in raw:
             if default is _REQUIRED:
                 raise ValueError(f"attention-backend capability {key!r} is required")
-            caps[key] = default if not isinstance(default, (list, dict)) else type(default)()
+            caps[key] = default if not isinstance(default, (list, dict)) else type(default)(default)
             continue
         caps[key] = raw[key]
     if not _str_list(caps["devices"]) or not caps["devices"]:
@@ -75,6 +76,9 @@ def backend_caps(raw: dict[str, Any]) -> dict[str, Any]:
         "=" not in k or not _str_list(v) for k, v in env.items()
     ):
         raise ValueError(f"'env_devices' must map 'VAR=value' to device lists, got {env!r}")
+    if not _str_list(caps["kv_cache_dtypes"]) or "auto" not in caps["kv_cache_dtypes"]:
+        raise ValueError("'kv_cache_dtypes' must be a list of kv_cache_dtype names holding "
+                         f"'auto', got {caps['kv_cache_dtypes']!r}")
     return caps
 
 

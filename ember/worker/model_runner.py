@@ -38,6 +38,18 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
+                         device: torch.device) -> torch.dtype:  # fmt: skip
+    """The KV cache's element type for EngineArgs.kv_cache_dtype ("auto": the model's); fp8
+    needs a GPU with fp8 conversions (compute capability 8.9+) or the Triton interpreter."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU with fp8 support "
+                         "(compute capability 8.9 or newer)")
+    return torch.float8_e4m3fn
+
+
 def _lazily_zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros in host memory that cost nothing until written: numpy's zeros come from calloc,
     whose large blocks are fresh (already zero) pages from the OS, where torch.zeros writes
@@ -83,6 +95,7 @@ class ModelRunner:
         self.device = platform.device()
         self.model: torch.nn.Module = model
         self.dtype = torch_dtype(model_config.dtype)
+        self.kv_dtype = kv_cache_torch_dtype(model_config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = block_size
         self.states: dict[str, CachedRequestState] = {}
         self.tables = BlockTableRows()
@@ -115,18 +128,18 @@ class ModelRunner:
 
     def bytes_per_block(self) -> int:
         num_layers, kv_heads, head_size = self.kv_geometry()
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * num_layers * self.block_size * kv_heads * head_size * itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         num_layers, kv_heads, head_size = self.kv_geometry()
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, kv_heads, head_size)
         if self.platform.device_is_host():
-            self.kv_caches = [_lazily_zeroed_host_tensor(shape, self.dtype)
+            self.kv_caches = [_lazily_zeroed_host_tensor(shape, self.kv_dtype)
                               for _ in range(num_layers)]
             return
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(num_layers)
         ]
 
     def capture_graphs(self, max_batch_size: int) -> float:
@@ -152,7 +165,7 @@ class ModelRunner:
         lens = [min(max_len, num_tokens - i) for i in range(0, num_tokens, max_len)]
         num_layers, kv_heads, head_size = self.kv_geometry()
         shape = self.attn_backend.kv_cache_shape(1, self.block_size, kv_heads, head_size)
-        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                   for _ in range(num_layers)]
         width = -(-max(lens) // self.block_size)
         qsl = np.zeros(len(lens) + 1, dtype=np.int32)
