@@ -1,6 +1,13 @@
 """The Llama-family decoder (Llama, SmolLM2, Mistral; Qwen2 and Qwen3 configure it) with paged
 attention, fused qkv and gate_up projections, and HF-name weight loading.
 
+Tensor parallelism: the projections are ember.layers.parallel_linear's (q/k/v and gate/up
+column-parallel, o and down row-parallel), the embedding and LM head vocabulary-parallel, so each
+rank holds its heads, its slice of the MLP and its KV heads. Pipeline parallelism: a stage builds
+only its own decoder layers (others are empty placeholders, so parameter names stay HF's); a stage
+after the first receives the hidden states and residual from the one before, a stage before the
+last sends them on. Each stage's attention layers index its own KV caches from 0.
+
 What differs between the family's architectures is a ``DecoderSpec`` (biases, per-head q/k norm);
 ``qwen2.py`` and ``qwen3.py`` are thin subclasses that set it.
 """
@@ -15,11 +22,18 @@ import torch
 from torch import nn
 
 from ember.attention_backends.base import AttentionBackend
+from ember.distributed import parallel_state as ps
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import Attention, ForwardContext
-from ember.layers.linear import Linear, bind_weight_loaders, compute_logits, weight_loader
+from ember.layers.linear import bind_weight_loaders, weight_loader
 from ember.layers.norm import RMSNorm
+from ember.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from ember.layers.rotary import RotaryEmbedding
+from ember.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, parallel_logits
 
 # HF buffers some checkpoints carry; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -60,26 +74,30 @@ def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
 class DecoderAttention(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int,
                  attn_backend: type[AttentionBackend], dtype: torch.dtype,
-                 prefix: str = "") -> None:  # fmt: skip
+                 prefix: str = "", cache_index: int | None = None) -> None:  # fmt: skip
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = _cfg(config, "num_key_value_heads", self.num_heads)
-        self.head_size = _cfg(config, "head_dim", hidden // self.num_heads)
+        total_heads = config.num_attention_heads
+        total_kv_heads = _cfg(config, "num_key_value_heads", total_heads)
+        self.head_size = _cfg(config, "head_dim", hidden // total_heads)
         attn_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attn_bias if spec.qkv_bias is None else spec.qkv_bias
         o_bias = attn_bias if spec.o_bias is None else spec.o_bias
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, total_heads, total_kv_heads,
+                                          qkv_bias, dtype=dtype, prefix=f"{prefix}.qkv_proj")
+        # This rank's heads (all of them with one rank).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype=dtype,
-                               output_sizes=self.shard_sizes(), prefix=f"{prefix}.qkv_proj")
-        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype=dtype, prefix=f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(total_heads * self.head_size, hidden, o_bias, dtype=dtype,
+                                        prefix=f"{prefix}.o_proj")
         self.qk_norm = spec.qk_norm
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, dtype)
         self.attn = Attention(
-            self.num_heads, self.head_size, self.head_size**-0.5, self.num_kv_heads, layer_idx,
+            self.num_heads, self.head_size, self.head_size**-0.5, self.num_kv_heads,
+            layer_idx if cache_index is None else cache_index,
             attn_backend, sliding_window=layer_sliding_window(config, layer_idx),
         )
 
@@ -107,12 +125,13 @@ class DecoderMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {act!r}: only silu is implemented")
         bias = bool(getattr(config, "mlp_bias", False)) if spec.mlp_bias is None else spec.mlp_bias
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias, dtype=dtype,
-            output_sizes=self.shard_sizes(), prefix=f"{prefix}.gate_up_proj",
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, self.shard_sizes(), bias, dtype=dtype,
+            prefix=f"{prefix}.gate_up_proj",
         )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype=dtype,
-                                prefix=f"{prefix}.down_proj")
+        self.intermediate_size = self.gate_up_proj.output_sizes[0]  # this rank's
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias,
+                                           dtype=dtype, prefix=f"{prefix}.down_proj")
         self.act = SiluAndMul()
 
     def shard_sizes(self) -> list[int]:
@@ -125,12 +144,12 @@ class DecoderMLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int,
                  attn_backend: type[AttentionBackend], dtype: torch.dtype,
-                 prefix: str = "") -> None:  # fmt: skip
+                 prefix: str = "", cache_index: int | None = None) -> None:  # fmt: skip
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.self_attn = DecoderAttention(config, spec, layer_idx, attn_backend, dtype,
-                                          prefix=f"{prefix}.self_attn")
+                                          prefix=f"{prefix}.self_attn", cache_index=cache_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = DecoderMLP(config, spec, dtype, prefix=f"{prefix}.mlp")
 
@@ -156,17 +175,36 @@ class DecoderModel(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec, attn_backend: type[AttentionBackend],
                  dtype: torch.dtype) -> None:  # fmt: skip
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.hidden_size, self.dtype = config.hidden_size, dtype
+        self.pp_size = ps.get_pp_size()
+        self.first_stage, self.last_stage = ps.is_first_stage(), ps.is_last_stage()
+        self.start_layer, self.end_layer = (
+            ps.stage_layers(config.num_hidden_layers) if self.pp_size > 1
+            else (0, config.num_hidden_layers))
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if self.first_stage or (tied and self.last_stage):  # the last stage's tied LM head
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                       dtype, prefix="model.embed_tokens")
+        start = self.start_layer
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, i, attn_backend, dtype, prefix=f"model.layers.{i}")
+            DecoderLayer(config, spec, i, attn_backend, dtype, prefix=f"model.layers.{i}",
+                         cache_index=i - start)
+            if start <= i < self.end_layer else StageMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        head_size = self.layers[0].self_attn.head_size if len(self.layers) else 0
+        if self.last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        head_size = (_cfg(config, "head_dim", config.hidden_size // config.num_attention_heads)
+                     if config.num_hidden_layers else 0)
         self.rotary_emb = RotaryEmbedding.from_config(config, head_size)
+
+    def owned_layers(self) -> list[nn.Module]:
+        return list(self.layers)[self.start_layer:self.end_layer]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
+        if self.pp_size > 1:
+            return self._stage_forward(input_ids, positions, ctx)
         h = self.embed_tokens(input_ids)
         # cos/sin once per step, shared by all layers.
         cos, sin = self.rotary_emb.cos_sin(positions, h.dtype)
@@ -177,13 +215,34 @@ class DecoderModel(nn.Module):
             return self.norm(h)
         return self.norm.forward_with_residual(h, residual)[0]
 
+    def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
+        """One pipeline stage: its layers between a receive from the stage before and a send
+        to the stage after (the final norm on the last). A stage that is not the last returns
+        its hidden states, which nothing reads (the runner samples on the last stage only)."""
+        comm, tp = ps.get_comm(), ps.get_tp_size()
+        residual: torch.Tensor | None = None
+        if self.first_stage:
+            h = self.embed_tokens(input_ids)
+        else:
+            shape = (input_ids.shape[0], self.hidden_size)
+            h, residual = comm.recv([shape, shape], self.dtype, ps.get_rank() - tp)
+        cos, sin = self.rotary_emb.cos_sin(positions, h.dtype)
+        for layer in self.layers[self.start_layer:self.end_layer]:
+            h, residual = layer(h, residual, self.rotary_emb, cos, sin, ctx)
+        if not self.last_stage:
+            comm.send([h, residual], ps.get_rank() + tp)
+            return h
+        return self.norm.forward_with_residual(h, residual)[0]
+
 
 class LlamaForCausalLM(nn.Module):
     """Causal LM over ``DecoderModel``; parameter names follow HF's except the fused ones."""
 
     spec: ClassVar[DecoderSpec] = DecoderSpec()
     # Read by the engine: tensor_parallel_size > 1 needs a model that splits its layers.
-    supports_tensor_parallel: ClassVar[bool] = False
+    supports_tensor_parallel: ClassVar[bool] = True
+    supports_pipeline_parallel: ClassVar[bool] = True
 
     def __init__(self, config: Any, attn_backend: type[AttentionBackend],
                  dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
@@ -192,15 +251,17 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.model = DecoderModel(config, self.spec, attn_backend, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, False, dtype=dtype)
-        # KV-cache geometry the engine sizes its cache from.
-        first = self.model.layers[0].self_attn
-        self.num_layers: int = config.num_hidden_layers
+        if not self.tie_word_embeddings and self.model.last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype,
+                                          prefix="lm_head")
+        # KV-cache geometry the engine sizes its cache from: this rank's layers and KV heads.
+        owned = self.model.owned_layers()
+        first = owned[0].self_attn
+        self.num_layers: int = len(owned)
         self.num_kv_heads: int = first.num_kv_heads
         self.head_size: int = first.head_size
         self.sliding_windows: list[int | None] = [
-            layer.self_attn.attn.sliding_window for layer in self.model.layers
+            layer.self_attn.attn.sliding_window for layer in owned
         ]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -208,8 +269,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.model.last_stage:  # memory profiling only: the runner samples on the last
+            return torch.zeros(hidden.shape[0], self.config.vocab_size, device=hidden.device)
         head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
-        return compute_logits(head, hidden)
+        return parallel_logits(head, hidden)
 
     # ---- weight loading ----------------------------------------------------------------------
 
@@ -249,6 +312,8 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: HF ties it to embed_tokens, and so do we
             target, shard = self._target(name)
             param = params.get(target)
+            if param is None and self._other_stage(target):
+                continue  # another pipeline stage's weight (read lazily, never copied here)
             if param is None:
                 unknown.append(name)
                 continue
@@ -261,6 +326,22 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {_names(missing)}")
         return loaded
+
+
+    def _other_stage(self, name: str) -> bool:
+        """Whether `name` belongs to a layer (or the embedding, norm, head) another pipeline
+        stage holds."""
+        model = self.model
+        if model.pp_size == 1:
+            return False
+        parts = name.split(".")
+        if name.startswith("model.layers.") and len(parts) > 2 and parts[2].isdigit():
+            return not model.start_layer <= int(parts[2]) < model.end_layer
+        return name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+class StageMissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds (no parameters, never called)."""
 
 
 def _names(names: Iterable[str], limit: int = 20) -> str:
