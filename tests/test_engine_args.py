@@ -71,6 +71,8 @@ FIELD_TESTS: dict[str, list[str]] = {
     "enable_sleep_mode": ["test_engine_control.py::test_metrics_and_sleep_need_their_flags"],
     "runner": ["test_pooling.py::test_bert_classifier_matches_transformers",
                "test_pooling.py::test_decoder_last_token_embeddings_match_transformers"],
+    "convert": ["test_pooling.py::test_task_and_convert_spellings"],
+    "task": ["test_pooling.py::test_task_and_convert_spellings"],
     "structured_outputs_config": [
         "test_structured_outputs.py::test_json_schemas_validate",
         "test_structured_outputs.py::test_auto_backend_falls_back_to_guidance_and_caches_grammars",

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from server_utils import MODEL_NAME, ServerThread, shared_server
 
-from ember.entrypoints.openai import protocol
+from ember.entrypoints.openai import protocol, protocol_pooling
 from ember.entrypoints.openai.api_server import build_app
 from ember.inputs import TextPrompt, TokensPrompt
 from ember.sampling_params import SamplingParams
@@ -159,9 +159,40 @@ SERVER_FIELD_TESTS = {
                          "add_generation_prompt")},
     "DetokenizeRequest": {name: ["test_server.py::test_tokenize_detokenize"]
                           for name in ("model", "tokens")},
-    # The endpoint refuses a generative model whatever the fields say.
-    "EmbeddingRequest": {name: [f"{HERE}::test_embeddings_are_refused_for_generative_models"]
-                         for name in ("model", "input", "encoding_format", "dimensions", "user")},
+}
+# The pooling endpoints (protocol_pooling): fields on a pooling model in test_pooling_server.py,
+# and every endpoint refuses a generative model whatever its fields say.
+_PS = "test_pooling_server.py"
+_REFUSED = f"{HERE}::test_pooling_endpoints_refuse_a_generative_model"
+_XENC = f"{_PS}::test_cross_encoder_score_rerank_and_classify_match_transformers"
+_POOLING_COMMON = {
+    "model": [f"{_PS}::test_bad_input_is_a_clear_400", _REFUSED],
+    "user": [f"{_PS}::test_openai_client_embeddings_equal_sentence_transformers"],
+    "truncate_prompt_tokens": [f"{_PS}::test_embedding_inputs_and_fields", _XENC],
+    "priority": [f"{_PS}::test_embedding_inputs_and_fields", _XENC,
+                 f"{_PS}::test_pooling_core_honours_priority"],
+    "request_id": [f"{_PS}::test_embedding_inputs_and_fields", _XENC],
+}
+_EMBED_FIELDS = {
+    "input": [f"{_PS}::test_embedding_inputs_and_fields", f"{_PS}::test_bad_input_is_a_clear_400"],
+    "encoding_format": [f"{_PS}::test_openai_client_embeddings_equal_sentence_transformers",
+                        f"{_PS}::test_pooling_score_and_rerank_on_an_embedding_model"],
+    "dimensions": [f"{_PS}::test_openai_client_embeddings_equal_sentence_transformers",
+                   f"{_PS}::test_serve_pooling_model_two_api_servers_and_clean_exit"],
+    "add_special_tokens": [f"{_PS}::test_embedding_inputs_and_fields"],
+    "normalize": [f"{_PS}::test_embedding_inputs_and_fields"],
+}
+_ACTIVATION = {"use_activation": [_XENC, f"{_PS}::test_bad_input_is_a_clear_400"],
+               "activation": [_XENC]}
+POOLING_FIELD_TESTS = {
+    "EmbeddingRequest": {**_POOLING_COMMON, **_EMBED_FIELDS},
+    "PoolingRequest": {**_POOLING_COMMON, **_EMBED_FIELDS, **_ACTIVATION},
+    "ClassificationRequest": {**_POOLING_COMMON, **_ACTIVATION, "input": [_XENC],
+                              "add_special_tokens": [_XENC]},
+    "ScoreRequest": {**_POOLING_COMMON, **_ACTIVATION, "text_1": [_XENC], "text_2": [_XENC]},
+    "RerankRequest": {**_POOLING_COMMON, **_ACTIVATION,
+                      **{name: [_XENC] for name in ("query", "documents", "top_n",
+                                                    "return_documents")}},
 }
 
 
@@ -191,9 +222,14 @@ def test_every_prompt_key_is_covered():
 
 
 def test_every_server_request_field_is_covered():
-    for model_name, mapping in SERVER_FIELD_TESTS.items():
-        model = getattr(protocol, model_name)
-        _check_mapping(model_name, set(model.model_fields), mapping)
+    for module, maps in ((protocol, SERVER_FIELD_TESTS), (protocol_pooling, POOLING_FIELD_TESTS)):
+        for model_name, mapping in maps.items():
+            model = getattr(module, model_name)
+            _check_mapping(model_name, set(model.model_fields), mapping)
+    # every request model of the pooling endpoints has its map
+    requests = {name for name in vars(protocol_pooling)
+                if name.endswith("Request") and name != "OpenAIRequest"}
+    assert requests == set(POOLING_FIELD_TESTS), requests
 
 
 # ---- the server's values reach the engine ---------------------------------------------------
@@ -338,13 +374,21 @@ def test_user_is_accepted_as_in_vllm(capturing):
     assert response.status_code == 200
 
 
-def test_embeddings_are_refused_for_generative_models(capturing):
+def test_pooling_endpoints_refuse_a_generative_model(capturing):
+    """Every pooling endpoint on a generating model: a 400 naming the model's runner."""
     thread, _ = capturing
-    response = httpx.post(thread.base_url + "/v1/embeddings", timeout=60,
-                          json={"model": MODEL_NAME, "input": "x", "encoding_format": "float",
-                                "dimensions": 8, "user": "u"})
-    assert response.status_code == 400
-    assert response.json()["error"]["code"] == "model_not_supported"
+    for path, body in (("/v1/embeddings", {"input": "x", "encoding_format": "float",
+                                           "dimensions": 8, "user": "u"}),
+                       ("/pooling", {"input": "x"}), ("/classify", {"input": "x"}),
+                       ("/score", {"text_1": "a", "text_2": "b"}), ("/v1/score", {"text_1": "a",
+                                                                               "text_2": "b"}),
+                       ("/rerank", {"query": "a", "documents": ["b"]}),
+                       ("/v1/rerank", {"query": "a", "documents": ["b"]})):
+        response = httpx.post(thread.base_url + path, json={"model": MODEL_NAME, **body},
+                              timeout=60)
+        assert response.status_code == 400, (path, response.text)
+        error = response.json()["error"]
+        assert error["code"] == "model_not_supported" and "runner 'generate'" in error["message"]
 
 
 def test_detokenize_false_and_ignore_eos():

@@ -309,3 +309,54 @@ def test_pooler_plugin_from_plugins_md(tmp_path):
         llm = LLM(model=str(model))
         got = _embs(llm.embed(SENTENCES[:6], use_tqdm=False))
     assert F.cosine_similarity(got, want).min() >= 0.99999
+
+
+def test_task_and_convert_spellings(tmp_path):
+    """vLLM 0.11's runner / convert, and the deprecated task mapped onto them with a warning;
+    what ember cannot do is refused by name."""
+    import warnings
+
+    from ember.pooling.config import resolve_runner
+
+    hf = make_tiny_hf_model("llama")
+    path = tmp_path / "llama"
+    hf.save_pretrained(path, safe_serialization=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    base = LLM(model=str(path), runner="pooling", skip_tokenizer_init=True)
+    want = _embs(base.embed(prompts, use_tqdm=False))
+    base.shutdown()
+    llm = LLM(model=str(path), convert="embed", skip_tokenizer_init=True)  # runner "auto"
+    assert llm.llm_engine.model_config.runner == "pooling"
+    assert torch.equal(_embs(llm.embed(prompts, use_tqdm=False)), want)
+    llm.shutdown()
+    with pytest.warns(DeprecationWarning, match="task='embed' is deprecated.*convert='embed'"):
+        llm = LLM(model=str(path), task="embed", skip_tokenizer_init=True)
+    assert torch.equal(_embs(llm.embed(prompts, use_tqdm=False)), want)
+    llm.shutdown()
+    causal, bert_cls, bert = "LlamaForCausalLM", "BertForSequenceClassification", "BertModel"
+    with pytest.warns(DeprecationWarning, match="use runner='generate'"):
+        assert resolve_runner("auto", causal, "auto", "generate") == "generate"
+    assert resolve_runner("auto", bert_cls, "classify") == "pooling"
+    assert resolve_runner("pooling", bert, "none") == "pooling"
+    with pytest.warns(DeprecationWarning):
+        assert resolve_runner("auto", bert_cls, task="score") == "pooling"
+    refusals = [
+        (dict(convert="reward"), causal, "convert='reward'"),
+        (dict(convert="classify"), causal, "score head"),
+        (dict(requested="pooling", convert="none"), causal, "convert='none'"),
+        (dict(convert="embed"), bert_cls, "classifier"),
+        (dict(requested="generate", convert="embed"), causal, "runner='pooling'"),
+        (dict(requested="generate", task="embed"), causal, "task='embed' means runner='pooling'"),
+        (dict(task="generate"), bert_cls, "cannot generate"),
+        (dict(task="transcription"), causal, "task='transcription' is not supported"),
+        (dict(task="draft"), causal, "not supported"),
+        (dict(task="embedz"), causal, "task must be one of"),
+        (dict(convert="bogus"), causal, "convert must be one of"),
+    ]
+    for kwargs, arch, match in refusals:
+        kwargs.setdefault("requested", "auto")
+        with warnings.catch_warnings(), pytest.raises(ValueError, match=match):
+            warnings.simplefilter("ignore", DeprecationWarning)
+            resolve_runner(arch=arch, **kwargs)
+    with pytest.raises(ValueError, match="convert must be one of"):
+        LLM(model=str(path), convert="bogus")

@@ -225,17 +225,6 @@ def test_cross_encoder_score_rerank_and_classify_match_transformers(cross_encode
         assert err["param"] == "priority" and "scheduling_policy" in err["message"]
 
 
-def test_pooling_endpoints_refuse_a_generative_model():
-    from server_utils import shared_server
-
-    url = shared_server().base_url
-    for path, body in (("/v1/embeddings", {"input": "x"}), ("/pooling", {"input": "x"}),
-                       ("/classify", {"input": "x"}), ("/score", {"text_1": "a", "text_2": "b"}),
-                       ("/rerank", {"query": "a", "documents": ["b"]})):
-        err = _error(httpx.post(url + path, json=body, timeout=60))
-        assert "runner 'generate'" in err["message"] and err["code"] == "model_not_supported"
-
-
 def test_pooling_core_honours_priority():
     from ember.core.messages import EngineCoreRequest
     from ember.pooling.core import PoolingEngineCore

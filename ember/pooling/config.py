@@ -63,11 +63,11 @@ def runner_and_convert(runner: str, convert: str = "auto", task: str | None = No
     if task is None:
         return runner, convert
     t_runner, t_convert = TASK_MAP[task]
-    if task not in _warned_tasks:
+    hint = f"runner={t_runner!r}" + (f", convert={t_convert!r}" if t_convert != "auto" else "")
+    message = f"task={task!r} is deprecated (as in vLLM 0.11): use {hint}"
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    if task not in _warned_tasks:  # the log says it once per process
         _warned_tasks.add(task)
-        hint = f"runner={t_runner!r}" + (f", convert={t_convert!r}" if t_convert != "auto" else "")
-        message = f"task={task!r} is deprecated (as in vLLM 0.11): use {hint}"
-        warnings.warn(message, DeprecationWarning, stacklevel=3)
         logger.warning(message)
     if runner != "auto" and t_runner != "auto" and runner != t_runner:
         raise ValueError(f"task={task!r} means runner={t_runner!r}, but runner={runner!r} "
