@@ -252,3 +252,41 @@ def test_gpu_fused_moe_in_cuda_graph_equals_eager():
         graph.replay()
         torch.testing.assert_close(out, fm.fused_moe(x, w13, w2, logits, k, True), atol=0, rtol=0)
     assert not torch.equal(out, eager)
+
+
+def test_expert_hit_stats_count_distinct_experts():
+    """What the MoE benchmark reads: distinct experts hit per call, summed, and the calls."""
+    fm.expert_hit_stats(DEV, reset=True)
+    fm.count_expert_hits(True)
+    try:
+        w13, w2 = _experts(6, 16, 16, device=DEV)
+        x = torch.randn(5, 16, device=DEV)
+        ids = torch.tensor([[0, 1], [1, 0], [4, 1], [0, 4], [1, 0]], device=DEV)
+        fm.fused_experts(x, w13, w2, torch.full((5, 2), 0.5, device=DEV), ids)
+        fm.fused_experts(x[:1], w13, w2, torch.full((1, 2), 0.5, device=DEV), ids[:1])
+        assert fm.expert_hit_stats(DEV, reset=True) == (3 + 2, 2)
+        assert fm.expert_hit_stats(DEV) == (0, 0)
+    finally:
+        fm.count_expert_hits(False)
+
+
+def test_bench_bytes_add_up_to_the_model():
+    """The MoE benchmark's byte counts (ember.bench.moe) against the parameters of the model
+    built from the Qwen3-30B-A3B config: dense + every expert + the embedding = all of it."""
+    import json
+    from pathlib import Path
+
+    from ember.bench.moe import moe_bytes
+
+    raw = json.loads((Path(__file__).parents[1] / "ember/configs/qwen3-30b-a3b/config.json").read_text())
+    cfg = make_moe_config("qwen3_moe", **{k: v for k, v in raw.items()
+                                         if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg, SdpaBackend, torch.bfloat16)
+    shape = moe_bytes(cfg, Qwen3MoeForCausalLM)
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    total = sum(p.numel() for p in model.parameters()) * 2
+    experts = shape["num_sparse_layers"] * cfg.num_experts * shape["expert_bytes"]
+    embed = cfg.vocab_size * cfg.hidden_size * 2
+    assert shape["dense_bytes"] + experts + embed + norms * 2 == total
+    assert 60e9 < total < 62e9  # ~61 GB, as published

@@ -27,7 +27,13 @@ import triton
 import triton.language as tl
 
 from ember.kernels.buffers import scratch_buffer
-from ember.kernels.launch import cdiv, compiled_for_gpu, dot_precision, next_power_of_2
+from ember.kernels.launch import (
+    cdiv,
+    compiled_for_gpu,
+    dot_precision,
+    next_power_of_2,
+    pdl_options,
+)
 
 MAX_EXPERTS = 1024  # the per-expert scratch is this size always (graphs keep its address)
 
@@ -81,8 +87,11 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 @triton.jit
 def _route_kernel(logits_ptr, stride_l, ids_ptr, weights_ptr, ranks_ptr, counts_ptr, E,
                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  RENORMALIZE: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
     # One program per token: float32 softmax, k rounds of argmax (lowest index on ties).
+    if PDL:  # see ember.kernels.launch.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
@@ -122,12 +131,20 @@ def _count_kernel(ids_ptr, ranks_ptr, counts_ptr, N, BLOCK: tl.constexpr):
 
 @triton.jit
 def _align_kernel(ids_ptr, ranks_ptr, counts_ptr, starts_ptr, sorted_ptr, expert_ids_ptr,
-                  num_post_ptr, N, E, max_padded, max_blocks, BLOCK_M: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+                  num_post_ptr, stats_ptr, N, E, max_padded, max_blocks, BLOCK_M: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+                  STATS: tl.constexpr, PDL: tl.constexpr):
     # One program. The counts are zeroed again here for the next layer (a zeroed scratch).
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_e = tl.arange(0, BLOCK_E)
     in_e = offs_e < E
     counts = tl.load(counts_ptr + offs_e, mask=in_e, other=0)
+    if STATS:  # benchmarks: experts hit, and calls (one program: no atomics needed)
+        hit = tl.sum((counts > 0).to(tl.int64), axis=0)
+        tl.store(stats_ptr, tl.load(stats_ptr) + hit)
+        tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + 1)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -158,7 +175,11 @@ def _align_kernel(ids_ptr, ranks_ptr, counts_ptr, starts_ptr, sorted_ptr, expert
 def _gemm1_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, N, H, INTER,
                   stride_x, stride_we, stride_wn, stride_o,
                   K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    # No weight can be read before the wait: which expert a block takes is the align's output.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -196,7 +217,11 @@ def _gemm1_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_pt
 def _gemm2_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                   N, H, INTER, stride_a, stride_we, stride_wn, stride_o,
                   ROUND_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    # No weight can be read before the wait: which expert a block takes is the align's output.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -225,6 +250,30 @@ def _gemm2_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_ids_ptr
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+# Benchmarks count the experts each call hits (on the device, so graphs count too); read once
+# at the end. Off by default: launches read the flag, graphs keep what it was at capture.
+_COUNT_HITS = False
+
+
+def count_expert_hits(on: bool) -> None:
+    """Count experts hit per call from now on (set before an engine captures its graphs)."""
+    global _COUNT_HITS
+    _COUNT_HITS = on
+
+
+def _stats(device: torch.device) -> torch.Tensor:
+    return scratch_buffer("moe_hit_stats", 2, torch.int64, device, zeroed=True)
+
+
+def expert_hit_stats(device: torch.device | str, reset: bool = False) -> tuple[int, int]:
+    """(experts hit summed over calls, calls) since the last reset; a host sync."""
+    buf = _stats(torch.device(device))
+    hits, calls = buf.tolist()
+    if reset:
+        buf.zero_()
+    return hits, calls
+
+
 def _counts(device: torch.device) -> torch.Tensor:
     return scratch_buffer("moe_expert_counts", MAX_EXPERTS, torch.int32, device, zeroed=True)
 
@@ -243,7 +292,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
     if t:
         _route_kernel[(t,)](router_logits, router_logits.stride(0), ids, weights, ranks,
                             _counts(dev), e, K=top_k, BLOCK_K=next_power_of_2(top_k),
-                            BLOCK_E=next_power_of_2(e), RENORMALIZE=renormalize)
+                            BLOCK_E=next_power_of_2(e), RENORMALIZE=renormalize,
+                            **pdl_options(router_logits))
     return weights, ids, ranks
 
 
@@ -270,9 +320,9 @@ def align(topk_ids: torch.Tensor, ranks: torch.Tensor, num_experts: int, block_m
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
     starts = scratch_buffer("moe_expert_starts", MAX_EXPERTS, torch.int32, dev)
     _align_kernel[(1,)](topk_ids, ranks, _counts(dev), starts, sorted_ids, expert_ids, num_post,
-                        n, num_experts, max_padded, max_blocks, BLOCK_M=block_m,
+                        _stats(dev), n, num_experts, max_padded, max_blocks, BLOCK_M=block_m,
                         BLOCK_E=next_power_of_2(num_experts), BLOCK_B=32, BLOCK=1024,
-                        num_warps=8)
+                        STATS=_COUNT_HITS, num_warps=8, **pdl_options(topk_ids))
     return sorted_ids, expert_ids, num_post
 
 
@@ -306,6 +356,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         x.stride(0), w13.stride(0), w13.stride(1), inter_out.stride(0),
         K_TOP=top_k, BLOCK_M=cfg.block_m, BLOCK_N=g1.block_n, BLOCK_K=g1.block_k,
         PRECISION=precision, num_warps=g1.num_warps, num_stages=g1.num_stages,
+        **pdl_options(x),
     )
     pair_out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     g2 = cfg.gemm2
@@ -314,7 +365,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         n, h, inter, inter_out.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
         ROUND_WEIGHT=round_weights, BLOCK_M=cfg.block_m, BLOCK_N=g2.block_n,
         BLOCK_K=g2.block_k, PRECISION=precision, num_warps=g2.num_warps,
-        num_stages=g2.num_stages,
+        num_stages=g2.num_stages, **pdl_options(x),
     )
     return pair_out.view(t, top_k, h).sum(dim=1)
 
