@@ -242,8 +242,8 @@ def _local_only(revision: str | None, download_dir: str | None, what: str) -> No
 
 def resolve_tokenizer_path(args: EngineArgs, hub: Any, progress: bool | None) -> str | None:
     """The tokenizer's local folder or file (None: the model's own), fetched from the hub when
-    `tokenizer` is a hub name or `tokenizer_revision` differs from the model's revision."""
-    revision = args.tokenizer_revision or args.revision
+    `tokenizer` is a hub name or `tokenizer_revision` is given. tokenizer_revision defaults to
+    the model's revision when the tokenizer is the model's repo, else to the repo's default."""
     name = args.tokenizer
     if name is None:
         if args.tokenizer_revision is None or hub is None:
@@ -259,6 +259,8 @@ def resolve_tokenizer_path(args: EngineArgs, hub: Any, progress: bool | None) ->
         return name
     from ember.models.loader import hub as hub_mod
 
+    same_repo = hub is not None and name == hub.repo_id
+    revision = args.tokenizer_revision or (args.revision if same_repo else None)
     if not hub_mod.looks_like_repo_id(name):
         raise ValueError(f"tokenizer {name!r} not found: not a local path nor a hub name")
     return hub_mod.fetch_tokenizer(name, revision, args.download_dir, progress)

@@ -165,3 +165,52 @@ def test_repo_without_safetensors_is_refused(hub_cache, offline, tmp_path):
     with pytest.raises(ValueError, match="no safetensors weights"):
         fetch_weights(hub, progress=False)
     assert os.path.isfile(os.path.join(hub.snapshot, "config.json"))
+
+
+@pytest.mark.slow
+def test_ember_serve_by_hub_name(hub_cache, tmp_path):
+    """`ember serve org/name --revision v1` offline: served under the hub name, v1's weights."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    from server_utils import free_port
+
+    from ember.default_model import default_model_path
+    from ember.tokenizer import load_tokenizer
+
+    cache, _, v1 = hub_cache
+    # The default model's tokenizer detokenizes the tiny model's ids (all below 320).
+    load_tokenizer(default_model_path()).save_pretrained(tmp_path / "tok")
+    add_to_cache(cache, "ember-test/serve-tok", tmp_path / "tok", "e" * 40, ["main"])
+    expected = _tokens(str(v1))[0]
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache),
+           "EMBER_DISABLE_PROGRESS": "1"}
+    cmd = [sys.executable, "-m", "ember.entrypoints.cli", "serve", REPO, "--revision", "v1",
+           "--tokenizer", "ember-test/serve-tok", "--port", str(port), "--max-model-len", "64",
+           "--num-gpu-blocks-override", "32", "--uvicorn-log-level", "warning"]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [REPO]
+        body = {"model": REPO, "prompt": PROMPTS[0]["prompt_token_ids"], "max_tokens": 6,
+                "temperature": 0.0, "logprobs": 1, "return_tokens_as_token_ids": True}
+        out = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        tokens = out["choices"][0]["logprobs"]["tokens"]
+        assert tokens == [f"token_id:{t}" for t in expected]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()

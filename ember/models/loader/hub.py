@@ -67,7 +67,7 @@ def _progress_class(progress: bool | None) -> Any:
 
 
 def _snapshot(repo_id: str, revision: str | None, cache_dir: str | None, patterns: list[str],
-              progress: bool | None, what: str) -> str:  # fmt: skip
+              progress: bool | None, what: str, kind: str = "model") -> str:  # fmt: skip
     """snapshot_download, its failures turned into one clear ValueError."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
@@ -83,23 +83,23 @@ def _snapshot(repo_id: str, revision: str | None, cache_dir: str | None, pattern
         return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
                                  allow_patterns=patterns, tqdm_class=_progress_class(progress))
     except RevisionNotFoundError as e:
-        raise ValueError(f"model {repo_id!r}: the hub has no revision {revision!r}") from e
+        raise ValueError(f"{kind} {repo_id!r}: the hub has no revision {revision!r}") from e
     except GatedRepoError as e:
-        raise ValueError(f"model {repo_id!r} is gated on the hub: accept its terms and log in "
+        raise ValueError(f"{kind} {repo_id!r} is gated on the hub: accept its terms and log in "
                          "(HF_TOKEN or `hf auth login`)") from e
     except RepositoryNotFoundError as e:
-        raise ValueError(f"model {repo_id!r} is not a local path and not a model on the hub "
+        raise ValueError(f"{kind} {repo_id!r} is not a local path and not a model on the hub "
                          "(or it is private: log in with HF_TOKEN)") from e
     except LocalEntryNotFoundError as e:
         cache = cache_dir or constants.HF_HUB_CACHE
         why = ("HF_HUB_OFFLINE is set" if constants.is_offline_mode()
                else "the hub could not be reached")
-        raise ValueError(f"model {repo_id!r}{at} is not a local path, and its {what} are not in "
+        raise ValueError(f"{kind} {repo_id!r}{at} is not a local path, and its {what} are not in "
                          f"the hub cache {cache!r} ({why})") from e
     except HfHubHTTPError as e:
-        raise ValueError(f"model {repo_id!r}{at}: the hub refused the download ({e})") from e
+        raise ValueError(f"{kind} {repo_id!r}{at}: the hub refused the download ({e})") from e
     except OSError as e:  # e.g. IncompleteSnapshotError, disk errors
-        raise ValueError(f"model {repo_id!r}{at}: cannot fetch its {what} ({e})") from e
+        raise ValueError(f"{kind} {repo_id!r}{at}: cannot fetch its {what} ({e})") from e
 
 
 def fetch_metadata(repo_id: str, revision: str | None = None, cache_dir: str | None = None,
@@ -117,7 +117,8 @@ def fetch_tokenizer(repo_id: str, revision: str | None = None, cache_dir: str | 
                     progress: bool | None = None) -> str:  # fmt: skip
     """The local folder of a hub tokenizer's files."""
     cache_dir = os.path.expanduser(cache_dir) if cache_dir else None
-    return _snapshot(repo_id, revision, cache_dir, METADATA_PATTERNS, progress, "tokenizer files")
+    return _snapshot(repo_id, revision, cache_dir, METADATA_PATTERNS, progress, "tokenizer files",
+                     "tokenizer")
 
 
 def weight_patterns(snapshot: str) -> list[str]:
