@@ -9,10 +9,13 @@
     argmax              greedy argmax of a few rows over vocabulary chunks
     small_batch_linear  weight-streaming linear layer for up to 16 rows
     fused_moe           mixture-of-experts routing, expert sort and grouped GEMMs
+    int4_gemv           4-bit (AWQ/GPTQ) linear layer for up to 16 rows, weight streaming
+    int4_gemm           4-bit (AWQ/GPTQ) linear layer for many rows, tiled
 
 Shared pieces: ``launch`` (grid arithmetic, SM count, programmatic dependent launch, merge
 counters), ``buffers`` (persistent scratch buffers, one per purpose and device),
-``attention_common`` (score scaling inside the attention kernels), ``tuning`` (tuned
+``attention_common`` (score scaling inside the attention kernels), ``int4_tile`` (reading
+4-bit weight tiles), ``tuning`` (tuned
 tile configurations per device, as data), ``config`` (``KernelConfig``: what stays switchable,
 set once per process) and ``dispatch`` (whether a layer takes a kernel).
 
@@ -42,8 +45,11 @@ OPS = (
     "argmax",
     "small_batch_linear",
     "fused_moe",
+    "int4_gemv",
+    "int4_gemm",
 )
-_LAZY_MODULES = frozenset((*OPS, "launch", "attention_common", "buffers", "dispatch", "tuning"))
+_LAZY_MODULES = frozenset((*OPS, "launch", "attention_common", "int4_tile", "buffers",
+                           "dispatch", "tuning"))
 
 __all__ = ["OPS", "KernelConfig", "kernel_config", "set_kernel_config", "use_kernel_config"]
 

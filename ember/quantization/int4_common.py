@@ -103,11 +103,16 @@ def check_int4_shapes(in_features: int, out_features: int, group_size: int, what
 
 def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                    group_size: int, perm: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 W [K, N] of an AWQ-layout weight (rows in checkpoint order when ``perm`` is set)."""
-    q = unpack_int4(qweight, 1, AWQ_ORDER).float()
-    z = unpack_int4(qzeros, 1, AWQ_ORDER).float()
-    group = q.shape[0] if group_size == -1 else group_size
-    w = (q - z.repeat_interleave(group, 0)) * scales.float().repeat_interleave(group, 0)
+    """float32 W [K, N] of an AWQ-layout weight (rows in checkpoint order when ``perm`` is set).
+    One broadcast shift per element (the CPU path runs this on every call)."""
+    shifts = torch.tensor(AWQ_SHIFTS, dtype=torch.int32, device=qweight.device)
+    k, n = qweight.shape[0], qweight.shape[1] * PACK
+    q = ((qweight.unsqueeze(-1) >> shifts) & 0xF).view(k, n)
+    z = ((qzeros.unsqueeze(-1) >> shifts) & 0xF).view(-1, n)
+    group = k if group_size == -1 else group_size
+    groups = k // group
+    w = (q.view(groups, group, n) - z.view(groups, 1, n)).float()
+    w = (w * scales.float().view(groups, 1, n)).view(k, n)
     if perm is not None:  # row i of w is checkpoint row perm[i]
         out = torch.empty_like(w)
         out[perm] = w

@@ -302,6 +302,13 @@ _BUILTIN_BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 _BUILTIN_QUANTIZATION: dict[str, tuple[str, dict[str, Any]]] = {
     "int8": ("ember.quantization.int8:Int8WeightOnly", {}),
+    # 4-bit checkpoints: Triton kernels on CUDA, torch (dequantize per call) on the CPU.
+    "awq": ("ember.quantization.awq:AWQQuantization",
+            {"platforms": ["cpu", "cuda"], "checkpoint_formats": ["awq"],
+             "quantizes_float": False}),
+    "gptq": ("ember.quantization.gptq:GPTQQuantization",
+             {"platforms": ["cpu", "cuda"], "checkpoint_formats": ["gptq"],
+              "quantizes_float": False}),
 }
 _BUILTIN_PLATFORMS = {
     "cpu": ("ember.platforms.cpu:CpuPlatform", {"device_type": "cpu"}),

@@ -1,0 +1,105 @@
+"""AWQ checkpoints (quant_method "awq", AutoAWQ's "gemm" layout): 4-bit weights with a zero point
+and a scale per group of input features, computed without dequantizing them to memory.
+
+The checkpoint's ``qweight`` [in, out/8], ``qzeros`` [in/g, out/8] (int32, AutoAWQ's
+interleaved packing) and ``scales`` [in/g, out] are ember's in-memory form as they are
+(ember.quantization.int4_common), so they load straight into the layer, fused q/k/v and
+gate/up shards included (packed along the output dim, the loader narrows by 8).
+
+Read from quantization_config: ``bits`` / ``w_bit`` (4), ``group_size`` / ``q_group_size``,
+``zero_point`` (true), ``version`` ("gemm"), ``modules_to_not_convert`` (those layers stay in
+float). Anything else AWQ can write (other bit widths, the "gemv"/"gemv_fast"/"marlin"/
+"exllama" layouts, zero_point false) is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ember.layers.linear import Linear, LinearMethod
+from ember.quantization.base import QuantizationMethod
+from ember.quantization.int4_common import PACK, check_int4_shapes
+from ember.quantization.int4_linear import Int4LinearMethod, int_param, scales_dtype
+
+
+def quantization_config_dict(hf_config: Any) -> dict[str, Any]:
+    """The checkpoint's quantization_config as a plain dict ({} when there is none)."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return {}
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+    return dict(qc)
+
+
+def _first(qc: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if qc.get(key) is not None:
+            return qc[key]
+    return default
+
+
+def skipped(prefix: str, modules: list[str] | None) -> bool:
+    """Whether a layer named ``prefix`` is one of the checkpoint's unquantized modules (matched
+    as a whole dotted component path, as AutoAWQ and GPTQ name them)."""
+    parts = f".{prefix}."
+    return any(f".{m.strip('.')}." in parts for m in modules or [])
+
+
+class AWQLinearMethod(Int4LinearMethod):
+    """Creates and loads the AWQ tensors; they already are ember's in-memory form."""
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:  # fmt: skip
+        out = sum(output_sizes)
+        group = check_int4_shapes(input_size, out, self.group_size, layer.prefix or "layer")
+        for size in output_sizes:
+            if size % PACK:
+                raise ValueError(f"{layer.prefix}: AWQ packs 8 outputs per int32; a shard of "
+                                 f"{size} outputs cannot be loaded")
+        groups = input_size // group
+        attrs = self.awq_attrs()
+        layer.register_weight("qweight", int_param(input_size, out // PACK), attrs["qweight"])
+        layer.register_weight("qzeros", int_param(groups, out // PACK), attrs["qzeros"])
+        scales = torch.zeros(groups, out, dtype=scales_dtype(dtype))
+        layer.register_weight("scales", torch.nn.Parameter(scales, requires_grad=False),
+                              attrs["scales"])
+
+
+class AWQQuantization(QuantizationMethod):
+    name: ClassVar[str] = "awq"
+    platforms: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
+    checkpoint_formats: ClassVar[tuple[str, ...]] = ("awq",)
+    quantizes_float: ClassVar[bool] = False
+
+    def __init__(self, group_size: int = 128, modules_to_not_convert: list[str] | None = None,
+                 ) -> None:
+        self.group_size = group_size
+        self.modules_to_not_convert = list(modules_to_not_convert or [])
+
+    @classmethod
+    def from_config(cls, qc: dict[str, Any]) -> AWQQuantization:
+        bits = _first(qc, "bits", "w_bit", default=4)
+        if bits != 4:
+            raise ValueError(f"AWQ with bits={bits} is not supported (ember reads 4-bit AWQ)")
+        if _first(qc, "zero_point", default=True) is not True:
+            raise ValueError("AWQ with zero_point=false is not supported (ember reads AWQ with "
+                             "zero points)")
+        version = str(_first(qc, "version", default="gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"AWQ version {version!r} is not supported (ember reads the 'gemm' "
+                             "layout)")
+        group = int(_first(qc, "group_size", "q_group_size", default=128))
+        return cls(group, _first(qc, "modules_to_not_convert", default=None))
+
+    @classmethod
+    def from_checkpoint(cls, path: str, hf_config: Any) -> AWQQuantization:
+        return cls.from_config(quantization_config_dict(hf_config))
+
+    def get_linear_method(self, layer: Linear, prefix: str) -> LinearMethod | None:
+        if skipped(prefix, self.modules_to_not_convert):
+            return None
+        return AWQLinearMethod(self.group_size)

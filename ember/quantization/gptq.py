@@ -1,0 +1,137 @@
+"""GPTQ checkpoints (quant_method "gptq", AutoGPTQ / GPTQModel): 4-bit weights with a zero point
+and a scale per group of input features.
+
+The checkpoint's ``qweight`` [in/8, out] (8 input rows per int32), ``qzeros`` [groups, out/8],
+``scales`` [groups, out] and ``g_idx`` [in] load as they are, then each layer is repacked once
+into ember's in-memory form (AWQ's layout, ember.quantization.int4_common) so AWQ and GPTQ share
+one pair of kernels. With desc_act (act-order) each input row's group comes from g_idx; the rows
+are sorted by group at load and the layer permutes its input to match. The q/k/v (and gate/up)
+shards of a fused projection quantize the same input and so carry the same g_idx; a checkpoint
+where they differ is refused.
+
+Read from quantization_config: ``bits`` (4), ``group_size`` (-1: one group), ``desc_act``,
+``sym``, ``checkpoint_format`` ("gptq": qzeros hold zero - 1, as AutoGPTQ writes them;
+"gptq_v2": the zeros). Refused by name: other bit widths, other checkpoint formats (e.g.
+"marlin"), a quantized ``lm_head`` and per-module ``dynamic`` overrides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ember.layers.linear import Linear, LinearMethod, param_owner
+from ember.quantization.awq import _first, quantization_config_dict, skipped
+from ember.quantization.base import QuantizationMethod
+from ember.quantization.int4_common import PACK, check_int4_shapes, gptq_to_awq
+from ember.quantization.int4_linear import (
+    Int4LinearMethod,
+    int_param,
+    replace_weight,
+    scales_dtype,
+)
+
+
+def _load_g_idx(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    """g_idx [in] of one shard into row ``shard_id`` of the layer's [shards, in] parameter. A
+    row-parallel rank takes its rows, renumbered from its own first group."""
+    layer, name = param_owner(param)
+    row = param.data[shard_id or 0]
+    if layer is not None and layer.tp_size > 1 and layer.tp_split == "input":
+        k = row.shape[0]
+        loaded = loaded.narrow(0, layer.tp_rank * k, k)
+        loaded = loaded - layer.tp_rank * (k // layer.quant_method._group(layer))
+    if tuple(loaded.shape) != tuple(row.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(loaded.shape)}, the model expects "
+                         f"{tuple(row.shape)}")
+    row.copy_(loaded)
+
+
+class GPTQLinearMethod(Int4LinearMethod):
+    """Creates and loads the GPTQ tensors, then repacks them into ember's form."""
+
+    def __init__(self, group_size: int, zero_offset: int, desc_act: bool = False) -> None:
+        super().__init__(group_size)
+        self.zero_offset = zero_offset
+        self.desc_act = desc_act
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:  # fmt: skip
+        out = sum(output_sizes)
+        group = check_int4_shapes(input_size, out, self.group_size, layer.prefix or "layer")
+        for size in output_sizes:
+            if size % PACK:
+                raise ValueError(f"{layer.prefix}: GPTQ packs 8 zero points per int32; a shard "
+                                 f"of {size} outputs cannot be loaded")
+        if self.desc_act and layer.tp_size > 1 and layer.tp_split == "input":
+            raise ValueError(f"{layer.prefix}: GPTQ with desc_act cannot be split by input "
+                             "features over tensor-parallel ranks")
+        groups = input_size // group
+        layer.register_weight("qweight", int_param(input_size // PACK, out),
+                              {"output_dim": 1, "input_dim": 0, "packed_dim": 0,
+                               "packed_factor": PACK})
+        layer.register_weight("qzeros", int_param(groups, out // PACK),
+                              {"output_dim": 1, "input_dim": 0, "packed_dim": 1,
+                               "packed_factor": PACK})
+        scales = torch.zeros(groups, out, dtype=scales_dtype(dtype))
+        layer.register_weight("scales", torch.nn.Parameter(scales, requires_grad=False),
+                              {"output_dim": 1, "input_dim": 0})
+        layer.register_weight("g_idx", int_param(len(output_sizes), input_size),
+                              {"input_dim": 1, "weight_loader": _load_g_idx})
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        g_idx = layer.g_idx.data
+        if not (g_idx == g_idx[:1]).all():
+            raise ValueError(f"{layer.prefix}: the shards of this fused projection have "
+                             "different g_idx; ember cannot compute them as one layer")
+        weight = gptq_to_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data, g_idx[0],
+                             self._group(layer), self.zero_offset, layer.prefix or "layer")
+        attrs = self.awq_attrs()
+        replace_weight(layer, "qweight", weight.qweight, attrs["qweight"])
+        replace_weight(layer, "qzeros", weight.qzeros, attrs["qzeros"])
+        replace_weight(layer, "scales", weight.scales.contiguous(), attrs["scales"])
+        replace_weight(layer, "g_idx", None)
+        if weight.perm is not None:
+            layer.register_buffer("perm", weight.perm)
+
+
+class GPTQQuantization(QuantizationMethod):
+    name: ClassVar[str] = "gptq"
+    platforms: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
+    checkpoint_formats: ClassVar[tuple[str, ...]] = ("gptq",)
+    quantizes_float: ClassVar[bool] = False
+
+    def __init__(self, group_size: int = 128, desc_act: bool = False, sym: bool = True,
+                 checkpoint_format: str = "gptq",
+                 modules_to_not_convert: list[str] | None = None) -> None:  # fmt: skip
+        self.group_size, self.desc_act, self.sym = group_size, desc_act, sym
+        self.zero_offset = 1 if checkpoint_format == "gptq" else 0
+        self.modules_to_not_convert = list(modules_to_not_convert or [])
+
+    @classmethod
+    def from_config(cls, qc: dict[str, Any]) -> GPTQQuantization:
+        bits = _first(qc, "bits", "w_bit", default=4)
+        if bits != 4:
+            raise ValueError(f"GPTQ with bits={bits} is not supported (ember reads 4-bit GPTQ)")
+        fmt = str(_first(qc, "checkpoint_format", "format", default="gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (ember reads "
+                             "'gptq' and 'gptq_v2')")
+        if qc.get("lm_head"):
+            raise ValueError("GPTQ with a quantized lm_head (lm_head=true) is not supported")
+        if qc.get("dynamic"):
+            raise ValueError("GPTQ with per-module 'dynamic' overrides is not supported")
+        group = int(_first(qc, "group_size", default=128))
+        return cls(group, bool(qc.get("desc_act", False)), bool(qc.get("sym", True)), fmt,
+                   _first(qc, "modules_to_not_convert", default=None))
+
+    @classmethod
+    def from_checkpoint(cls, path: str, hf_config: Any) -> GPTQQuantization:
+        return cls.from_config(quantization_config_dict(hf_config))
+
+    def get_linear_method(self, layer: Linear, prefix: str) -> LinearMethod | None:
+        if skipped(prefix, self.modules_to_not_convert):
+            return None
+        return GPTQLinearMethod(self.group_size, self.zero_offset, self.desc_act)

@@ -1,0 +1,98 @@
+"""The linear-layer side shared by AWQ and GPTQ: a LinearMethod whose layer, once loaded, holds a
+4-bit weight in ember's in-memory form (ember.quantization.int4_common: ``qweight`` [K, N/8],
+``qzeros`` [G, N/8] in AWQ's order, ``scales`` [G, N], and ``perm`` for GPTQ's desc_act), and
+computes it:
+
+- on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_gemv`` for up to
+  16 rows (decode), ``int4_gemm`` above;
+- elsewhere (the CPU) in torch: the weight is dequantized for the call and multiplied. That
+  saves memory, not time (the CPU's fast 4-bit path is GGUF's).
+
+Scales are kept in float16 for half-precision models (the checkpoints' own dtype: no rounding)
+and in float32 for float32 models. AWQ and GPTQ differ only in what they create and load and in
+``process_weights_after_loading`` (GPTQ repacks to the AWQ layout).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.layers.linear import Linear, LinearMethod
+from ember.quantization.int4_common import PACK, dequantize_awq
+
+GEMV_MAX_ROWS = 16
+
+
+def scales_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if model_dtype == torch.float32 else torch.float16
+
+
+def int_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=torch.int32), requires_grad=False)
+
+
+def replace_weight(layer: Linear, name: str, tensor: torch.Tensor | None,
+                   attrs: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Put ``tensor`` (None: nothing) where parameter ``name`` was, with new loading metadata."""
+    if name in layer._parameters:
+        del layer._parameters[name]
+    layer._weight_attrs.pop(name, None)
+    if tensor is not None:
+        layer.register_weight(name, nn.Parameter(tensor, requires_grad=False), attrs or {})
+
+
+def _kernels_take(x: torch.Tensor) -> bool:
+    from ember.kernels import dispatch
+
+    return dispatch.on_gpu(x) and dispatch.triton_installed()
+
+
+def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
+                scales: torch.Tensor, group_size: int, perm: torch.Tensor | None,
+                bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """x [..., K] times a 4-bit weight in ember's form, + bias: the kernels on CUDA, torch
+    elsewhere."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if perm is not None:
+        x2 = x2.index_select(1, perm)
+    if _kernels_take(x2):
+        from ember import kernels
+
+        if x2.shape[0] <= GEMV_MAX_ROWS:
+            y = kernels.int4_gemv.int4_gemv(x2, qweight, qzeros, scales, group_size, bias)
+        else:
+            y = kernels.int4_gemm.int4_gemm(x2, qweight, qzeros, scales, group_size, bias)
+    else:
+        w = dequantize_awq(qweight, qzeros, scales, group_size)  # rows already in perm order
+        y = F.linear(x2, w.t().to(x2.dtype), bias)
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+class Int4LinearMethod(LinearMethod):
+    """What AWQ's and GPTQ's methods share once the weight is in ember's form."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size  # -1: one group over all input features
+
+    def _group(self, layer: Linear) -> int:
+        return layer.in_features if self.group_size == -1 else self.group_size
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return int4_matmul(x, layer.qweight, layer.qzeros, layer.scales, self._group(layer),
+                           getattr(layer, "perm", None), bias)
+
+    def dequantize_weight(self, layer: Linear) -> torch.Tensor:
+        """float32 W [out, in] the layer computes with (the quantization check's reference)."""
+        return dequantize_awq(layer.qweight, layer.qzeros, layer.scales, self._group(layer),
+                              getattr(layer, "perm", None)).t()
+
+    @staticmethod
+    def awq_attrs() -> dict[str, dict[str, Any]]:
+        """Loading metadata of the in-memory (AWQ) tensors."""
+        packed = {"output_dim": 1, "input_dim": 0, "packed_dim": 1, "packed_factor": PACK}
+        return {"qweight": packed, "qzeros": packed, "scales": {"output_dim": 1, "input_dim": 0}}
