@@ -3,11 +3,12 @@
 # engine benchmarks, each part under its own time limit.
 # Usage: scripts/gpu_suite.sh [PART...]   (wheels from .whl/ installed first; results under $OUT)
 # Parts: ceilings tests smollm qwen3 llama8b kernels compile profile1 linear linearpdl latency
-# structured
+# structured mp
 # (default: the first six; ceilings also gives the shipped models' limits; profile1 profiles
 # batch-1 decode of SmolLM2 and Llama-8B; linear times the small-batch linear kernel against
 # cuBLAS; linearpdl: its configs with PDL off and on, alone and after a norm; latency times
-# decode attention per layer at batch 1 and 4). The kernel benchmarks are ember.bench modules.
+# decode attention per layer at batch 1 and 4; mp runs Qwen3-0.6B in process and through the mp
+# executor). The kernel benchmarks are ember.bench modules.
 # Parts run in the order given, so a long suite can be split over runs, e.g.
 #   scripts/gpu_suite.sh ceilings smollm qwen3 llama8b   then   scripts/gpu_suite.sh tests kernels
 # EMBER_COMMIT=<sha> names the commit in the result files where the tree has no usable git HEAD.
@@ -63,6 +64,13 @@ for part in $PARTS; do
     structured) stage structured 200 python3 -m ember.bench.structured \
                   --model gpu_tok/qwen3-0.6b-smoltok --load-format dummy --num-prompts 256 \
                   --max-model-len 2048 --compact --out "$OUT/structured.json" ;;
+    # What the process boundary costs: Qwen3-0.6B (nano-vllm's workload) with the model in the
+    # engine core's process (uni) and in one spawned worker process (mp), same run.
+    mp) for backend in uni mp; do
+          stage "qwen3_$backend" 130 $BENCH --model ember/configs/qwen3-0.6b $NANO --no-baseline \
+            --distributed-executor-backend $backend --single-output-len 512 \
+            --out "$OUT/qwen3_$backend.json"
+        done ;;
     kernels) stage kernels 60 python3 -m ember.bench.attention_kernels --quick --block-sizes 16 \
                --out "$OUT/kernels.json" ;;
     *) echo "unknown part $part" ;;

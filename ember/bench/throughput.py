@@ -30,6 +30,9 @@ def run_ember(ns, workload) -> tuple[dict, object]:
         skip_tokenizer_init=ns.load_format == "dummy", gpu_memory_utilization=ns.gpu_memory_utilization,
         enable_prefix_caching=not ns.no_prefix_caching,
         async_scheduling=ns.async_scheduling, compile_model=ns.compile_model,
+        tensor_parallel_size=ns.tensor_parallel_size,
+        pipeline_parallel_size=ns.pipeline_parallel_size,
+        distributed_executor_backend=ns.distributed_executor_backend,
     )
     startup = time.perf_counter() - start
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
@@ -69,12 +72,14 @@ def run_ember(ns, workload) -> tuple[dict, object]:
     decode_time = metrics.last_token_time - metrics.first_token_time
     single_tps = (len(out.outputs[0].token_ids) - 1) / decode_time
     peak = None
-    if in_process and str(engine.executor.runner.device).startswith("cuda"):
+    runner = getattr(engine.executor, "runner", None) if in_process else None  # None: workers
+    if runner is not None and str(runner.device).startswith("cuda"):
         import torch
 
         peak = torch.cuda.max_memory_allocated() / 2**30
     return {
         "engine_core": "in process" if in_process else "own process",
+        "executor": engine.engine_core.args.executor_backend() if in_process else None,
         "backend": engine.attention_backend_name,
         "async_scheduling": engine.ready.async_scheduling,
         "cuda_graph_capture_s": (getattr(engine.executor, "graph_capture_seconds", 0.0)
@@ -166,6 +171,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-output-len", type=int, default=128)
     parser.add_argument("--hf-single-output-len", type=int, default=None,
                         help="HF's single-stream length (default: --single-output-len)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--distributed-executor-backend", default=None,
+                        help="uni | mp | ray (default: uni for one rank, mp for more)")
     parser.add_argument("--engine-process", action="store_true",
                         help="run the engine core in its own process (EMBER_ENGINE_PROCESS=1)")
     parser.add_argument("--no-tqdm", action="store_true")

@@ -25,8 +25,10 @@ class Communicator:
     def __init__(self, state: ParallelState, device: Any = None) -> None:
         self.state = state
         self.device = device
-        # Optional timer (benchmarks): called with the seconds each all-reduce took.
+        # Optional timer (benchmarks, eager steps only): called with the seconds each all-reduce
+        # took, between two calls of `timer_sync` (the platform's synchronize on a device).
         self.on_all_reduce = None
+        self.timer_sync = None
 
     # ---- tensor parallelism ----------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,8 +38,11 @@ class Communicator:
             return x
         import time
 
+        sync = self.timer_sync or (lambda: None)
+        sync()
         start = time.perf_counter()
         dist.all_reduce(x, group=self.state.tp_group)
+        sync()
         self.on_all_reduce(time.perf_counter() - start)
         return x
 

@@ -29,15 +29,23 @@ class ParallelModelRunner(ModelRunner):
     def _sampling_logits(self, batch: FlatBatch, hidden: torch.Tensor,
                          ) -> tuple[list[CachedRequestState], torch.Tensor | None]:
         if ps.is_last_stage():
-            return super()._sampling_logits(batch, hidden)
-        rows = (batch.states if len(batch.sample_rows) == len(batch.input_ids)
-                else [batch.states[row] for row in batch.sample_rows])
-        return rows, None
+            return super()._sampling_logits(batch, hidden)  # type: ignore[misc]
+        return self._sampling_rows(batch), None
 
-    def _sample(self, rows: list[CachedRequestState], logits: torch.Tensor | None,
-                step: InFlightStep, previous: InFlightStep | None, grammar=None) -> None:
+    @staticmethod
+    def _sampling_rows(batch: FlatBatch) -> list[CachedRequestState]:
+        if len(batch.sample_rows) == len(batch.input_ids):
+            return batch.states
+        return [batch.states[row] for row in batch.sample_rows]
+
+    def _sample(self, *args, **kwargs) -> None:
+        """(rows or batch, logits or hidden, step, previous, grammar): the step is the third
+        argument either way."""
+        step: InFlightStep = args[2]
         comm = ps.get_comm()
-        if logits is None:  # an earlier stage: the driver's tokens only
+        if not ps.is_last_stage():  # an earlier stage: the driver's tokens only
+            first = args[0]
+            rows = first if isinstance(first, list) else self._sampling_rows(first)
             sampled = torch.empty(len(rows), dtype=torch.int64, device=self.device)
             comm.broadcast_from_driver(sampled)
             step.attach_samples(rows, sampled, None)
@@ -51,7 +59,7 @@ class ParallelModelRunner(ModelRunner):
 
         step.attach_samples = broadcast_then_attach  # type: ignore[method-assign]
         try:
-            super()._sample(rows, logits, step, previous, grammar)
+            super()._sample(*args, **kwargs)
         finally:
             del step.attach_samples
 

@@ -54,6 +54,14 @@ class RankWorker:
         platform = resolve_platform(args.device)
         # build_worker resolves the platform again and gets this (now bound) instance.
         platform.set_device_for_rank(local_rank)
+        if platform.device_is_host():
+            # Ranks on one host share its cores: each takes its part (torch would take all,
+            # and the ranks would then slow each other down, waiting in every collective).
+            import torch
+
+            world = args.tensor_parallel_size * args.pipeline_parallel_size
+            torch.set_num_threads(max(1, min(torch.get_num_threads(),
+                                             (os.cpu_count() or 1) // world)))
         init_parallel_state(args.tensor_parallel_size, args.pipeline_parallel_size, rank,
                             init_method, platform.distributed_backend(),
                             platform.communicator_cls(), platform.device())
