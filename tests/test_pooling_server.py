@@ -25,6 +25,7 @@ from ember.engine.async_llm import AsyncLLM
 from ember.entrypoints.openai.api_server import build_app
 
 NAME = "mini"
+pytestmark = pytest.mark.slow  # each module fixture starts an engine-core process
 
 
 class PoolingServer:
@@ -174,7 +175,6 @@ def _logits(hf, tok, a: str, b: str | None = None) -> torch.Tensor:
         return hf(**enc).logits[0]
 
 
-@pytest.mark.slow
 def test_cross_encoder_score_rerank_and_classify_match_transformers(cross_encoder):
     server, hf, tok = cross_encoder
     query, docs = SENTENCES[5], [SENTENCES[4], SENTENCES[2], SENTENCES[13], SENTENCES[0]]
@@ -241,11 +241,10 @@ def test_pooling_core_honours_priority():
     assert order == ["r1", "r2", "r0"]
 
 
-@pytest.mark.slow
 def test_serve_pooling_model_two_api_servers_and_clean_exit(tmp_path, st_reference):
     from test_server_processes import Serve
 
-    serve = Serve(tmp_path, "--model", minilm_dir(), "--api-server-count", "2",
+    serve = Serve(tmp_path, minilm_dir(), "--api-server-count", "2",
                   "--hf-overrides", '{"matryoshka_dimensions": [64, 128]}')
     try:
         serve.wait_healthy()
