@@ -60,7 +60,14 @@ FIELD_TESTS: dict[str, list[str]] = {
     "enforce_eager": ["test_platform_device.py::test_graphs_need_platform_backend_and_no_enforce_eager"],  # noqa: E501
     "compile_model": ["test_compile_model.py::test_compiled_model_equals_eager"],
     "async_scheduling": ["test_async_scheduling.py::test_async_equals_sync"],
-    "tensor_parallel_size": [f"{HERE}::test_refused_values_name_the_field"],
+    "tensor_parallel_size": ["test_distributed.py::test_mp_tp2_llama_then_worker_killed",
+                             "test_distributed.py::test_parallel_args_refused",
+                             f"{HERE}::test_refused_values_name_the_field"],
+    "pipeline_parallel_size": ["test_distributed.py::test_mp_tp2_pp2_qwen3_more_ranks_than_kv_heads",  # noqa: E501
+                               "test_distributed.py::test_parallel_args_refused"],
+    "distributed_executor_backend": ["test_distributed.py::test_ray_tp2_qwen3_more_ranks_than_kv_heads",  # noqa: E501
+                                     "test_distributed.py::test_server_ray_pp2",
+                                     "test_distributed.py::test_parallel_args_refused"],
     "disable_log_stats": ["test_stats_logging.py::test_llm_engine_logs_stats",
                           "test_stats_logging.py::test_default_logs_nothing"],
     "show_progress": [f"{HERE}::test_show_progress"],
@@ -105,11 +112,9 @@ def _llm(path: str, **kw) -> LLM:
 
 # ---- refusals ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config", [
-    {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
-    {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False},
-    {"quant_method": "fp8", "activation_scheme": "dynamic"},
+@pytest.mark.parametrize("config", [  # awq, gptq and fp8 load: test_awq_gptq.py, test_fp8.py
     {"quant_method": "bitsandbytes", "load_in_4bit": True},
+    {"quant_method": "hqq", "nbits": 4},
     {"quant_method": "compressed-tensors", "format": "pack-quantized"},
 ], ids=lambda c: c["quant_method"])
 def test_prequantized_checkpoints_are_refused_by_method(tiny, tmp_path, config):
@@ -131,7 +136,7 @@ def test_gguf_quantization_needs_a_gguf_file(tiny):
 
 
 def test_refused_values_name_the_field(tiny):
-    for kwargs, name in [({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    for kwargs, name in [({"tensor_parallel_size": 0}, "tensor_parallel_size"),
                          ({"block_size": 12}, "block_size"),
                          ({"load_format": "pt"}, "load_format"),
                          ({"generation_config": "/no/such/dir"}, "generation_config"),
