@@ -360,3 +360,35 @@ def test_task_and_convert_spellings(tmp_path):
             resolve_runner(arch=arch, **kwargs)
     with pytest.raises(ValueError, match="convert must be one of"):
         LLM(model=str(path), convert="bogus")
+
+
+@pytest.mark.gpu
+def test_bert_on_cuda_matches_transformers(tmp_path):
+    """A random BERT cross-encoder on the GPU (float32 and bfloat16) against transformers in
+    float32 on the CPU, lengths 1-200 batched together (padding and key masks at real shapes)."""
+    import random
+
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=512, max_position_embeddings=256, num_labels=1,
+        initializer_range=0.05, architectures=["BertForSequenceClassification"])
+    hf = transformers.BertForSequenceClassification(config).eval()
+    _randomize(hf, 3)
+    hf.save_pretrained(tmp_path / "bert", safe_serialization=True)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(1, 200))] for _ in range(48)]
+    with torch.no_grad():
+        want = torch.stack([hf(torch.tensor([p])).logits[0, 0] for p in prompts])
+    raw = PoolingParams(use_activation=False)
+    for dtype, tol in (("float32", 1e-3), ("bfloat16", 5e-2)):
+        llm = LLM(model=str(tmp_path / "bert"), skip_tokenizer_init=True, dtype=dtype)
+        assert llm.platform == "cuda"
+        outs = llm.classify([{"prompt_token_ids": p} for p in prompts], raw, use_tqdm=False)
+        got = torch.tensor([o.outputs.probs[0] for o in outs])
+        llm.shutdown()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        print(f"{dtype}: max relative logit error {err:.2e}")
+        assert err <= tol, (dtype, err)
