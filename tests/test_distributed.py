@@ -159,17 +159,31 @@ def test_model_without_parallel_support_refused():
 
 
 # ---- mp ----------------------------------------------------------------------------------------
+def _tp_rank_and_kv_heads(runner) -> tuple[int, int]:
+    """collective_rpc target: this rank's place and the KV heads its cache holds."""
+    from ember.distributed import parallel_state as ps
+
+    return ps.get_tp_rank(), runner.kv_geometry()[1]
+
+
 @pytest.mark.slow
 def test_mp_tp2_llama_then_worker_killed(models):
-    """TP=2 greedy tokens equal one process's; then SIGKILL of rank 1 mid-request: the next
-    step raises within 10 s naming the rank, and no worker is left."""
+    """TP=2 greedy tokens equal one process's, also after sleep level 2 (weights reloaded, and
+    sharded, from the checkpoint); collective_rpc reaches both ranks; then SIGKILL of rank 1
+    mid-request: the next step raises within 10 s naming the rank, and no worker is left."""
     from ember.executor.distributed_base import WorkerDiedError
 
     path, ref = models["llama"]
-    llm = LLM(model=path, tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
+    llm = LLM(model=path, tensor_parallel_size=2, distributed_executor_backend="mp",
+              enable_sleep_mode=True, **ENGINE)
     engine = llm.llm_engine
     pids = engine.executor.worker_pids
     try:
+        assert _generate(llm) == ref
+        assert llm.collective_rpc(_tp_rank_and_kv_heads) == [(0, 1), (1, 1)]  # 2 KV heads / 2
+        llm.sleep(2)
+        llm.wake_up()
+        assert not llm.is_sleeping()
         assert _generate(llm) == ref
         engine.add_request("long", TokensPrompt(prompt_token_ids=[5, 6, 7]),
                            SamplingParams(max_tokens=80, ignore_eos=True))
