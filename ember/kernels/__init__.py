@@ -11,6 +11,7 @@
     fused_moe           mixture-of-experts routing, expert sort and grouped GEMMs
     int4_gemv           4-bit (AWQ/GPTQ) linear layer for up to 16 rows, weight streaming
     int4_gemm           4-bit (AWQ/GPTQ) linear layer for many rows, tiled
+    fp8_quant           dynamic per-token float8 quantization of activations (W8A8 layers)
 
 Shared pieces: ``launch`` (grid arithmetic, SM count, programmatic dependent launch, merge
 counters), ``buffers`` (persistent scratch buffers, one per purpose and device),
@@ -47,6 +48,7 @@ OPS = (
     "fused_moe",
     "int4_gemv",
     "int4_gemm",
+    "fp8_quant",
 )
 _LAZY_MODULES = frozenset((*OPS, "launch", "attention_common", "int4_tile", "buffers",
                            "dispatch", "tuning"))

@@ -309,6 +309,10 @@ _BUILTIN_QUANTIZATION: dict[str, tuple[str, dict[str, Any]]] = {
     "gptq": ("ember.quantization.gptq:GPTQQuantization",
              {"platforms": ["cpu", "cuda"], "checkpoint_formats": ["gptq"],
               "quantizes_float": False}),
+    # W8A8 through torch._scaled_mm: fp8 checkpoints, or float ones quantized at load.
+    "fp8": ("ember.quantization.fp8:Fp8Quantization",
+            {"platforms": ["cuda"], "dtypes": ["float16", "bfloat16"],
+             "checkpoint_formats": ["fp8", "compressed-tensors"], "quantizes_float": True}),
 }
 _BUILTIN_PLATFORMS = {
     "cpu": ("ember.platforms.cpu:CpuPlatform", {"device_type": "cpu"}),

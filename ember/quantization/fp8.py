@@ -1,0 +1,228 @@
+"""fp8 (W8A8): float8_e4m3fn weights with one scale per output channel, activations quantized per
+token as each layer runs, multiplied by torch._scaled_mm (cuBLASLt's fp8 GEMM, row-wise scales).
+
+Two ways in:
+- fp8 checkpoints: compressed-tensors' "float-quantized" format (quant_method
+  "compressed-tensors", weights with strategy "channel" or "tensor") and vLLM's / AutoFP8's
+  (quant_method "fp8"): ``weight`` float8_e4m3fn [out, in] and ``weight_scale`` ([out, 1], [1]
+  or a scalar). A per-tensor scale is spread over its shard's channels, so fused q/k/v with
+  three scales become one per-channel layer. Static-scheme checkpoints also carry
+  ``input_scale``; it is loaded and not used: activations always get dynamic per-token scales
+  (at least as fine as one static scale). Layers the checkpoint lists in ``ignore`` /
+  ``ignored_layers`` / ``modules_to_not_convert`` stay in float.
+- ``LLM(quantization="fp8")`` on a float checkpoint: each weight is quantized per channel once
+  loaded (max |w| of the channel / 448).
+
+Needs a GPU with fp8 tensor cores (compute capability 8.9+: Ada, Hopper); the CPU and older GPUs
+are refused by name, as are block-wise scales (``weight_block_size``, "block"/"group"
+strategies), calibrated KV-cache scales (``kv_cache_scheme``) and non-fp8 compressed-tensors
+schemes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ember.layers.linear import Linear, LinearMethod, param_owner, shard_offset_size, tp_slice
+from ember.quantization.awq import quantization_config_dict, skipped
+from ember.quantization.base import QuantizationMethod
+from ember.quantization.int4_linear import replace_weight
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def _load_weight_scale(param: torch.Tensor, loaded: torch.Tensor,
+                       shard_id: int | None = None) -> None:  # fmt: skip
+    """A shard's scale into its channels of the layer's per-channel ``weight_scale`` [out]: one
+    value (per-tensor) fills them, a vector ([out] or [out, 1]) is copied."""
+    layer, name = param_owner(param)
+    if layer is None:
+        offset, size = 0, param.shape[0]
+    else:
+        offset, size = shard_offset_size(layer, shard_id)
+    dst = param.data.narrow(0, offset, size)
+    loaded = loaded.float().reshape(-1)
+    if loaded.numel() == 1:
+        dst.copy_(loaded.to(dst.device).expand(size))
+        return
+    if layer is not None:
+        loaded = tp_slice(layer, param, loaded)
+    if loaded.numel() != size:
+        raise ValueError(f"weight {name!r} has {loaded.numel()} scales, the model expects "
+                         f"{size} (one per output channel) or 1")
+    dst.copy_(loaded)
+
+
+def _load_input_scale(param: torch.Tensor, loaded: torch.Tensor,
+                      shard_id: int | None = None) -> None:  # fmt: skip
+    """A static-scheme shard's activation scale (kept for the record, see the docstring)."""
+    _, name = param_owner(param)
+    if loaded.numel() != 1:
+        raise ValueError(f"weight {name!r}: a per-tensor input scale has one value, got "
+                         f"{loaded.numel()}")
+    param.data[shard_id or 0] = loaded.float().reshape(())
+
+
+def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float weight [out, in] -> (float8_e4m3fn [out, in], float32 scales [out])."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """x [..., in] (16-bit) times an fp8 weight [out, in] with per-channel scales [out]."""
+    from ember import kernels
+
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    xq, x_scale = kernels.fp8_quant.per_token_fp8(x2)
+    # Row-wise scaling in cuBLASLt writes bf16; a float16 model casts the result back.
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                         out_dtype=torch.bfloat16)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+class Fp8LinearMethod(LinearMethod):
+    """``weight`` fp8 [out, in] + ``weight_scale`` float32 [out] (from a checkpoint, or from the
+    float weight once loaded when ``serialized`` is False)."""
+
+    def __init__(self, serialized: bool, static_input: bool = False) -> None:
+        self.serialized = serialized
+        self.static_input = static_input
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:  # fmt: skip
+        out = sum(output_sizes)
+        weight_dtype = FP8 if self.serialized else dtype
+        layer.register_weight("weight", nn.Parameter(torch.empty(out, input_size,
+                                                                 dtype=weight_dtype),
+                                                     requires_grad=False),
+                              {"output_dim": 0, "input_dim": 1})
+        if not self.serialized:
+            return
+        layer.register_weight("weight_scale", nn.Parameter(torch.ones(out, dtype=torch.float32),
+                                                           requires_grad=False),
+                              {"output_dim": 0, "weight_loader": _load_weight_scale})
+        if self.static_input:
+            layer.register_weight("input_scale", nn.Parameter(
+                torch.ones(len(output_sizes), dtype=torch.float32), requires_grad=False),
+                {"weight_loader": _load_input_scale})
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if self.serialized:
+            return
+        q, scale = quantize_weight_per_channel(layer.weight.data)
+        replace_weight(layer, "weight", q, {"output_dim": 0, "input_dim": 1})
+        layer.register_weight("weight_scale", nn.Parameter(scale, requires_grad=False),
+                              {"output_dim": 0, "weight_loader": _load_weight_scale})
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def dequantize_weight(self, layer: Linear) -> torch.Tensor:
+        """float32 W [out, in] the layer computes with (the quantization check's reference)."""
+        return layer.weight.float() * layer.weight_scale[:, None]
+
+
+def _compressed_tensors_scheme(qc: dict[str, Any]) -> tuple[bool, list[str]]:
+    """(static input scales, ignored module patterns) of a compressed-tensors fp8 config;
+    ValueError naming anything else."""
+    if qc.get("kv_cache_scheme"):
+        raise ValueError("compressed-tensors kv_cache_scheme (calibrated KV-cache scales) is not "
+                         "supported; use kv_cache_dtype='fp8' (per-tensor scale 1.0)")
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise ValueError("holds compressed-tensors-quantized weights without config_groups")
+    static = False
+    for name, group in groups.items():
+        w = group.get("weights") or {}
+        kind = (w.get("type"), w.get("num_bits"))
+        if kind != ("float", 8):
+            raise ValueError(f"holds compressed-tensors-quantized weights of scheme "
+                             f"{w.get('type')}{w.get('num_bits')} (group {name!r}); ember reads "
+                             "its fp8 schemes only")
+        if w.get("strategy") not in ("channel", "tensor"):
+            raise ValueError(f"holds compressed-tensors-quantized weights with "
+                             f"{w.get('strategy')!r} fp8 scales; ember reads per-channel and "
+                             "per-tensor ones")
+        act = group.get("input_activations") or {}
+        if act and (act.get("type"), act.get("num_bits")) != ("float", 8):
+            raise ValueError(f"holds compressed-tensors-quantized weights with "
+                             f"{act.get('type')}{act.get('num_bits')} activations (group "
+                             f"{name!r}); ember computes fp8 activations")
+        static = static or (bool(act) and not act.get("dynamic", True))
+    return static, list(qc.get("ignore") or [])
+
+
+class Fp8Quantization(QuantizationMethod):
+    name: ClassVar[str] = "fp8"
+    platforms: ClassVar[tuple[str, ...]] = ("cuda",)
+    dtypes: ClassVar[tuple[str, ...]] = ("float16", "bfloat16")
+    checkpoint_formats: ClassVar[tuple[str, ...]] = ("fp8", "compressed-tensors")
+    quantizes_float: ClassVar[bool] = True
+
+    def __init__(self, serialized: bool = False, static_input: bool = False,
+                 ignore: list[str] | None = None) -> None:  # fmt: skip
+        self.serialized = serialized
+        self.static_input = static_input
+        self.ignore = list(ignore or [])
+
+    @classmethod
+    def from_config(cls, qc: dict[str, Any]) -> Fp8Quantization:
+        """From a checkpoint's quantization_config ({}: quantize a float checkpoint at load)."""
+        method = str(qc.get("quant_method", "")).lower()
+        if not method:
+            return cls()
+        if method == "compressed-tensors":
+            static, ignore = _compressed_tensors_scheme(qc)
+            return cls(True, static, ignore)
+        if method != "fp8":
+            raise ValueError(f"the fp8 method cannot read {method!r} checkpoints")
+        if qc.get("weight_block_size"):
+            raise ValueError("fp8 with block-wise scales (weight_block_size) is not supported; "
+                             "ember reads per-tensor and per-channel scales")
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise ValueError(f"fp8 activation_scheme {scheme!r} is not supported")
+        ignore = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or []
+        return cls(True, scheme == "static", list(ignore))
+
+    @classmethod
+    def from_checkpoint(cls, path: str, hf_config: Any) -> Fp8Quantization:
+        qc = quantization_config_dict(hf_config)
+        try:
+            return cls.from_config(qc)
+        except ValueError as exc:
+            raise ValueError(f"{path!r}: {exc}") from None
+
+    def check_supported(self, device_type: str, dtype: torch.dtype) -> None:
+        super().check_supported(device_type, dtype)
+        if torch.cuda.get_device_capability() < (8, 9):
+            raise ValueError("quantization 'fp8' needs a GPU with fp8 tensor cores (compute "
+                             f"capability 8.9+), this one is {torch.cuda.get_device_capability()}")
+
+    def _ignored(self, prefix: str) -> bool:
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], prefix):
+                    return True
+            elif skipped(prefix, [pattern]):
+                return True
+        return False
+
+    def get_linear_method(self, layer: Linear, prefix: str) -> LinearMethod | None:
+        if self._ignored(prefix):
+            return None
+        return Fp8LinearMethod(self.serialized, self.static_input)

@@ -1,0 +1,169 @@
+"""fp8 (W8A8) linear layers: the per-token activation kernel, checkpoint configs, refusals, and on
+the GPU the layers and whole models against their bf16 references.
+
+On the CPU: ember.kernels.fp8_quant under TRITON_INTERPRET=1 against torch's cast; the per-channel
+quantization at load; which compressed-tensors / fp8 configs load and which are refused; and the
+refusal of the CPU platform itself. ``gpu``: ember.testing's quantization check (fp8 layers
+against x @ dequantized.T, within a bound that covers activation quantization), fp8 checkpoints
+of both layouts, and LLM(quantization="fp8") on a bf16 model against the bf16 model (the test
+prints the logit error and greedy agreement).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from model_factory import make_tiny_model  # noqa: E402
+
+from ember import LLM, SamplingParams  # noqa: E402
+from ember.kernels.fp8_quant import per_token_fp8  # noqa: E402
+from ember.quantization.fp8 import (  # noqa: E402
+    Fp8LinearMethod,
+    Fp8Quantization,
+    quantize_weight_per_channel,
+)
+from ember.testing import check_quantized_linear  # noqa: E402
+from ember.testing.quantized_checkpoints import (  # noqa: E402
+    fp8_tensors,
+    quantization_config,
+    write_quantized_checkpoint,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_per_token_fp8_equals_torch(dtype):
+    x = (torch.randn(5, 300) * torch.tensor([[1.0], [1e-3], [30.0], [0.0], [1.0]])).to(dtype)
+    x[4, 7] = 200.0  # one outlier sets its row's scale
+    q, scales = per_token_fp8(x.to(DEV))
+    assert q.dtype == FP8 and scales.shape == (5, 1) and scales.dtype == torch.float32
+    want_scale = (x.float().abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
+    torch.testing.assert_close(scales.cpu(), want_scale, rtol=0, atol=0)
+    want_q = (x.float() * (1.0 / want_scale)).clamp(-448, 448).to(FP8)
+    assert torch.equal(q.cpu().float(), want_q.float())
+    assert q[3].float().abs().max() == 0  # an all-zero row: zeros, no NaN
+
+
+def test_weight_quantized_per_channel_at_load():
+    weight = torch.randn(48, 64)
+    weight[5] = 0.0
+    layer_method = Fp8LinearMethod(serialized=False)
+    from ember.layers.linear import Linear
+
+    layer = Linear(64, 48, bias=False, quant_method=layer_method, output_sizes=[32, 16])
+    layer.weight.data.copy_(weight)
+    layer_method.process_weights_after_loading(layer)
+    assert layer.weight.dtype == FP8 and layer.weight_scale.shape == (48,)
+    deq = layer_method.dequantize_weight(layer)
+    assert deq[5].abs().max() == 0
+    # e4m3 keeps 3 mantissa bits: at most half a step (1/16 of the value) off per element.
+    err = (deq - weight).abs() / weight.abs().amax(1, keepdim=True).clamp(min=1e-12)
+    assert err.max() <= 1 / 16
+    q, scale = quantize_weight_per_channel(weight)
+    assert torch.equal(q.float(), layer.weight.float()) and torch.equal(scale, layer.weight_scale)
+
+
+def test_checkpoint_configs():
+    ct = Fp8Quantization.from_config(quantization_config("fp8", strategy="tensor"))
+    assert ct.serialized and not ct.static_input and ct.get_linear_method(None, "lm_head") is None
+    static = Fp8Quantization.from_config({"quant_method": "fp8", "activation_scheme": "static",
+                                          "ignored_layers": ["model.layers.1.mlp"]})
+    assert static.static_input
+    assert static.get_linear_method(None, "model.layers.1.mlp.down_proj") is None
+    assert static.get_linear_method(None, "model.layers.11.mlp.down_proj") is not None
+    assert not Fp8Quantization.from_config({}).serialized  # a float checkpoint, quantized
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu case below covers CUDA")
+def test_fp8_layers_on_the_cpu_kernel_path():
+    """The layer's own arithmetic (per-token kernel under the interpreter, torch's CPU
+    _scaled_mm with row-wise scales) within its bound; the engine still refuses the CPU."""
+    lines = check_quantized_linear(
+        "fp8", partial(fp8_tensors, strategy="tensor"),
+        config=quantization_config("fp8", strategy="tensor"), shapes=(([64, 32], 128),),
+        batch_sizes=(1, 7), dtypes=("float16", "bfloat16"), atol=0.1)
+    print("\n".join(lines))
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise scales"),
+    ({**quantization_config("fp8"), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+     "kv_cache_scheme"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group"}}}}, "scheme int4"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "block"}}}}, "'block' fp8 scales"),
+])
+def test_unsupported_fp8_configs_are_refused_by_name(config, match):
+    with pytest.raises(ValueError, match=match):
+        Fp8Quantization.from_config(config)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only refusal")
+def test_fp8_refuses_the_cpu(tmp_path):
+    tiny = str(make_tiny_model("llama", tmp_path))
+    with pytest.raises(ValueError, match="quantization 'fp8' runs on cuda, not on 'cpu'"):
+        LLM(tiny, skip_tokenizer_init=True, max_model_len=64, quantization="fp8")
+
+
+# ---- on the GPU ------------------------------------------------------------------------------
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 11, 8, 64, 31], [200, 1, 77, 13, 90]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_fp8_layers_within_their_bound(strategy):
+    """W8A8 against x @ dequantized.T: activation rounding (e4m3: up to 1/16 of each element,
+    about 2% typical, random signs) keeps the output within 10% of its largest value (a wrong
+    scale layout is off by 100% and more); the CPU case measured 2-4%."""
+    lines = check_quantized_linear(
+        "fp8", partial(fp8_tensors, strategy=strategy),
+        config=quantization_config("fp8", strategy=strategy), device="cuda",
+        shapes=(([64, 32], 128), ([4096, 1024], 4096)), batch_sizes=(1, 7, 33, 300),
+        dtypes=("bfloat16", "float16"), atol=0.1)
+    print("\n".join(lines))
+
+
+def _logits(llm: LLM) -> tuple[list[list[float]], list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    lps = [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
+    return lps, [o.outputs[0].token_ids for o in outs]
+
+
+def _compare(ref, got) -> tuple[float, float]:
+    err = max(abs(a - b) for ra, rb in zip(ref[0], got[0]) for a, b in zip(ra, rb))
+    same = sum(a == b for ra, rb in zip(ref[1], got[1]) for a, b in zip(ra, rb))
+    return err, same / sum(map(len, ref[1]))
+
+
+@pytest.mark.gpu
+def test_fp8_models_against_bf16(tmp_path):
+    """quantization="fp8" on a bf16 checkpoint, and the compressed-tensors checkpoint of the
+    same weights, against the bf16 model: prompt-logprob error and greedy agreement, printed."""
+    src = str(make_tiny_model("llama", tmp_path, hidden_size=512, intermediate_size=1024,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                              num_hidden_layers=4))
+    kw = dict(skip_tokenizer_init=True, max_model_len=128, dtype="bfloat16")
+    ref = _logits(LLM(src, **kw))
+    at_load = LLM(src, quantization="fp8", **kw)
+    layer = at_load.llm_engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
+    assert layer.weight.dtype == FP8
+    err_load, same_load = _compare(ref, _logits(at_load))
+    at_load.shutdown()
+    write_quantized_checkpoint(src, str(tmp_path / "ct"), "fp8", strategy="tensor")
+    err_ckpt, same_ckpt = _compare(ref, _logits(LLM(str(tmp_path / "ct"), **kw)))
+    print(f"fp8 vs bf16: quantized at load: max prompt-logprob error {err_load:.4f}, greedy "
+          f"agreement {same_load:.2f}; per-tensor checkpoint: {err_ckpt:.4f}, {same_ckpt:.2f}")
+    assert err_load < 0.5 and err_ckpt < 0.5
