@@ -377,6 +377,10 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
     if runner == "pooling" and args.kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r}: pooling models keep no KV "
                          "cache")
+    if runner == "pooling" and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size}, pipeline_parallel_"
+                         f"size={args.pipeline_parallel_size}: pooling models ({arch}) run in "
+                         "one process")
     max_model_len = args.max_model_len
     if runner == "pooling" and max_model_len is None:
         max_model_len = st_max_seq_length(path)  # sentence-transformers' own limit
