@@ -8,14 +8,16 @@ alternate sliding-window and global attention (``config.layer_types``); Gemma 2 
 attention scores and the final logits (cap * tanh(x / cap)); Gemma 3 norms q and k per head and
 gives local and global layers their own rope base (and scaling).
 
-Weight loading (HF names, fused qkv / gate_up shards, tied lm_head) is LlamaForCausalLM's: the
-modules here keep its names and its ``shard_sizes`` convention.
+Weight loading follows the linear contract (ember.layers.linear): each HF tensor goes to its
+parameter's ``weight_loader`` with its shard index within the fused qkv / gate_up projection.
+Tensor and pipeline parallelism are not implemented for these models (supports_* = False).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +25,18 @@ from torch import nn
 
 from ember.attention_backends.base import AttentionBackend
 from ember.layers.attention import Attention, ForwardContext
-from ember.layers.linear import Linear
+from ember.layers.linear import Linear, bind_weight_loaders, compute_logits, weight_loader
 from ember.layers.rotary import RotaryEmbedding
-from ember.models.llama import LlamaForCausalLM, layer_sliding_window
+from ember.models.llama import layer_sliding_window
 
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 _LAYER_TYPES = ("sliding_attention", "full_attention")
+# HF projection name -> (our fused projection, index of its shard), and back.
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}  # fmt: skip
+_UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass(frozen=True)
@@ -200,15 +208,17 @@ class GemmaModel(nn.Module):
         return self.norm(h)
 
 
-class GemmaForCausalLM(LlamaForCausalLM):
-    """Causal LM over ``GemmaModel``; the lm_head is tied to the embeddings unless the config
-    says otherwise. Loading is inherited (HF names, fused shards)."""
+class GemmaForCausalLM(nn.Module):
+    """Causal LM over ``GemmaModel``; parameter names follow HF's except the fused ones. The
+    lm_head is tied to the embeddings unless the config says otherwise."""
 
-    gemma_spec: GemmaSpec
+    gemma_spec: ClassVar[GemmaSpec]
+    supports_tensor_parallel: ClassVar[bool] = False
+    supports_pipeline_parallel: ClassVar[bool] = False
 
     def __init__(self, config: Any, attn_backend: type[AttentionBackend],
                  dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
-        nn.Module.__init__(self)  # LlamaForCausalLM's builds a Llama decoder: not this one
+        super().__init__()
         self.config = config
         self.dtype = dtype
         self.model = GemmaModel(config, self.gemma_spec, attn_backend, dtype)
@@ -224,10 +234,59 @@ class GemmaForCausalLM(LlamaForCausalLM):
             layer.self_attn.attn.sliding_window for layer in self.model.layers
         ]
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
+        return self.model(input_ids, positions, ctx)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+        logits = compute_logits(head, hidden)
         if self.final_soft_cap is not None:
             # In float32 (HF: in the model's dtype; the same for float32 checkpoints).
             cap = self.final_soft_cap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    # ---- weight loading ----------------------------------------------------------------------
+
+    def expected_weight_names(self) -> set[str]:
+        """Every HF name the checkpoint must provide."""
+        names = set()
+        for name, _ in self.named_parameters():
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in _UNFUSED:
+                names.update(".".join([*parts[:-2], p, parts[-1]]) for p in _UNFUSED[parts[-2]])
+            else:
+                names.add(name)
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Each HF-named tensor to its parameter's loader (with its shard index in a fused
+        projection); ValueError on unknown, missing or mis-shaped names."""
+        params = bind_weight_loaders(self)
+        loaded: set[str] = set()
+        unknown: list[str] = []
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied to embed_tokens, as in HF
+            parts = name.split(".")
+            shard = None
+            if len(parts) >= 2 and parts[-2] in _FUSED:
+                fused, shard = _FUSED[parts[-2]]
+                parts[-2] = fused
+            param = params.get(".".join(parts))
+            if param is None:
+                unknown.append(name)
+                continue
+            param._ember_name = name  # type: ignore[attr-defined]  # errors name the HF weight
+            weight_loader(param)(param, tensor, shard)
+            loaded.add(name)
+        if unknown:
+            raise ValueError(f"unknown weights for {type(self).__name__}: "
+                             f"{', '.join(sorted(unknown)[:20])}")
+        missing = self.expected_weight_names() - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: "
+                             f"{', '.join(sorted(missing)[:20])}")
+        return loaded

@@ -11,6 +11,10 @@ from ember.models.llama import DecoderSpec, LlamaForCausalLM
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     spec = DecoderSpec(qkv_bias=False, o_bias=False, mlp_bias=False)
+    # The checkpoint's fused tensors load whole (no shard index), which the tensor-parallel
+    # slicing of a fused projection does not handle.
+    supports_tensor_parallel = False
+    supports_pipeline_parallel = False
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         act = getattr(config, "hidden_act", "silu")
