@@ -1,0 +1,253 @@
+"""GPU benchmark of the quantized linear layers and of whole models quantized: bf16 vs fp8 vs AWQ.
+
+    python -m ember.bench.quant kernels --out quant_kernels.json
+    python -m ember.bench.quant engine --model ember/configs/llama-3.1-8b \\
+        --methods bf16 fp8 awq fp8kv --out quant_engine.json
+
+``kernels``: Llama-3.1-8B's projections at 1, 4 and 16 rows and at 256: bf16 cuBLAS, the
+small-batch bf16 kernel, fp8 (per-token quantization + torch._scaled_mm) and int4 (int4_gemv /
+int4_gemm, with a small sweep of int4_gemv tiles), each timed inside a CUDA graph over weight
+copies larger than L2, as bandwidth (weight bytes per second and the fraction of the copy
+bandwidth). Every kernel is checked against its dequantized reference first.
+
+``engine``: one engine per method on dummy weights (AWQ through a temporary config.json carrying
+an AWQ quantization_config; fp8 by quantizing the bf16 dummy weights at load; fp8kv = bf16 with
+kv_cache_dtype="fp8"), each timed on nano-vllm's workload (batched throughput) and at batch 1
+(single-stream decode). Reports tokens/s, the ratio to bf16, the weight bytes one decode step
+reads and the fraction of the copy bandwidth that batch-1 decode reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}  # Llama-3.1-8B (out, in)
+L2_FLUSH_BYTES = 200 * 2**20
+# (block_n, block_k, -, warps, stages): K splits chosen as the default rule chooses them.
+GEMV_CONFIGS = [(64, 128, 0, 4, 4), (32, 128, 0, 4, 4), (128, 128, 0, 4, 4), (64, 128, 0, 4, 6),
+                (128, 128, 0, 8, 4), (64, 64, 0, 4, 6)]
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, min(64, -(-L2_FLUSH_BYTES // nbytes)))
+
+
+def _gemv_config(cfg: tuple, n: int, k: int) -> tuple:
+    """A sweep entry with its K splits chosen as int4_gemv_config chooses them."""
+    from ember.kernels.launch import cdiv, num_sms
+
+    block_n, block_k = cfg[:2]
+    sms = num_sms(torch.device("cuda"))
+    split = max(1, min(cdiv(2 * sms, cdiv(n, block_n)), cdiv(k, block_k) // 4 or 1))
+    return (block_n, block_k, split, *cfg[3:])
+
+
+def _timer(row: dict, x: torch.Tensor, copy_bw: float):  # type: ignore[no-untyped-def]
+    """timed(key, weight bytes, op, weight copies): op(x, copy) per call inside a CUDA graph,
+    cycling over the copies; records microseconds and bandwidth under row[key]."""
+    from ember.bench.timing import graph_time_us
+
+    def timed(key: str, nbytes: int, op, copies: list) -> None:  # type: ignore[no-untyped-def]
+        us = graph_time_us(lambda i: op(x, copies[i % len(copies)]), max(20, len(copies)))
+        rate = nbytes / (us * 1e-6)
+        row[key] = {"us": us, "tb_s": rate / 1e12, "fraction_of_copy": rate / copy_bw}
+
+    return timed
+
+
+def bench_kernels(ns: argparse.Namespace) -> dict:
+    from ember.bench.timing import copy_bandwidth
+    from ember.kernels.int4_gemm import int4_gemm
+    from ember.kernels.int4_gemv import int4_gemv
+    from ember.kernels.small_batch_linear import small_batch_linear
+    from ember.quantization.fp8 import fp8_linear, quantize_weight_per_channel
+    from ember.quantization.int4_common import dequantize_awq
+    from ember.testing.quantized_checkpoints import awq_tensors
+
+    copy_bw = copy_bandwidth() * 1e12
+    torch.cuda.empty_cache()
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda") / k**0.5
+        tensors, _ = awq_tensors(w.cpu(), 128)
+        qw, qz = tensors["qweight"].cuda(), tensors["qzeros"].cuda()
+        s = tensors["scales"].cuda().half()
+        wq8, s8 = quantize_weight_per_channel(w)
+        w_bf16 = w.bfloat16()
+        deq = dequantize_awq(qw, qz, s, 128).t()
+        del w
+        int4_bytes = qw.numel() * 4 + qz.numel() * 4 + s.numel() * 2
+        # Weight copies that together exceed L2, so every timed call reads HBM.
+        sets = {
+            "bf16": [w_bf16] + [w_bf16.clone() for _ in range(_copies(n * k * 2) - 1)],
+            "fp8": [wq8] + [wq8.clone() for _ in range(_copies(n * k) - 1)],
+            "int4": [(qw, qz, s)] + [(qw.clone(), qz.clone(), s.clone())
+                                     for _ in range(_copies(int4_bytes) - 1)],
+        }
+        for m in ns.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ deq.float().T
+            got = (int4_gemv(x, qw, qz, s, 128) if m <= 16 else int4_gemm(x, qw, qz, s, 128))
+            err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 2e-2, f"int4 {name} m={m}: error {err}"
+            got8 = fp8_linear(x, wq8, s8, None)
+            ref8 = x.float() @ (wq8.float() * s8[:, None]).T
+            err8 = ((got8.float() - ref8).abs().max() / ref8.abs().max()).item()
+            assert err8 < 0.1, f"fp8 {name} m={m}: error {err8}"
+            row = {"shape": name, "n": n, "k": k, "rows": m, "int4_rel_error": err,
+                   "fp8_rel_error": err8}
+
+            timed = _timer(row, x, copy_bw)
+            timed("bf16_cublas", n * k * 2, F.linear, sets["bf16"])
+            if m <= 16:
+                timed("bf16_small_batch", n * k * 2, small_batch_linear, sets["bf16"])
+            timed("fp8_scaled_mm", n * k + n * 4,
+                  lambda x_, wt, s8=s8: fp8_linear(x_, wt, s8, None), sets["fp8"])
+            if m <= 16:
+                timed("int4_gemv", int4_bytes, lambda x_, t: int4_gemv(x_, *t, 128),
+                      sets["int4"])
+                for cfg in GEMV_CONFIGS if ns.sweep else []:
+                    c = _gemv_config(cfg, n, k)
+                    timed(f"int4_gemv_{'x'.join(map(str, c))}", int4_bytes,
+                          lambda x_, t, c=c: int4_gemv(x_, *t, 128, config=c), sets["int4"])
+            else:
+                timed("int4_gemm", int4_bytes, lambda x_, t: int4_gemm(x_, *t, 128),
+                      sets["int4"])
+            rows.append(row)
+            print(name, m, {key: round(v["us"], 1) for key, v in row.items()
+                            if isinstance(v, dict)})
+        del sets
+        torch.cuda.empty_cache()
+    return {"copy_bandwidth_tb_s": copy_bw / 1e12, "rows": rows}
+
+
+def _awq_dir(model: str) -> str:
+    """A temporary copy of ``model``'s config.json with an AWQ quantization_config."""
+    from ember.testing.quantized_checkpoints import quantization_config
+
+    path = tempfile.mkdtemp(prefix="ember-awq-")
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = quantization_config("awq", group_size=128)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def _decode_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter and buffer but the embedding
+    table (one row of it is read), the logits head included."""
+    embed = model.model.embed_tokens.weight
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t is embed and not tied:
+            continue
+        total += t.numel() * t.element_size()
+    return total
+
+
+def bench_engine(ns: argparse.Namespace) -> dict:
+    from ember import LLM, SamplingParams
+    from ember.bench.timing import copy_bandwidth
+    from ember.bench.workloads import random_workload
+
+    copy_bw = copy_bandwidth() * 1e12
+    torch.cuda.empty_cache()
+    results = {"copy_bandwidth_tb_s": copy_bw / 1e12, "methods": {}}
+    for method in ns.methods:
+        kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=ns.max_model_len,
+                  skip_tokenizer_init=True, gpu_memory_utilization=0.9)
+        path = ns.model
+        if method == "awq":
+            path = _awq_dir(ns.model)
+        elif method == "fp8":
+            kw["quantization"] = "fp8"
+        elif method == "fp8kv":
+            kw["kv_cache_dtype"] = "fp8"
+            kw["attention_backend"] = "triton"
+        start = time.perf_counter()
+        llm = LLM(path, **kw)
+        startup = time.perf_counter() - start
+        runner = llm.llm_engine.executor.runner
+        step_bytes = _decode_bytes(runner.model)
+        vocab = llm.llm_engine.model_config.vocab_size
+        work = random_workload(ns.num_prompts, tuple(ns.input_len), tuple(ns.output_len), vocab)
+        warm = [{"prompt_token_ids": [(t + 1) % vocab for t in p]} for p in work.prompts[:64]]
+        llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                 detokenize=False) for n in work.output_lens]
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=False)
+        batch_tps = work.num_output_tokens / (time.perf_counter() - t0)
+        one = {"prompt_token_ids": work.prompts[0][:128]}
+        llm.generate([one], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        out = llm.generate([one], SamplingParams(max_tokens=ns.single_output_len,
+                                                 ignore_eos=True, detokenize=False),
+                           use_tqdm=False)[0]
+        m = out.metrics
+        single_tps = (len(out.outputs[0].token_ids) - 1) / (m.last_token_time -
+                                                            m.first_token_time)
+        results["methods"][method] = {
+            "startup_s": startup, "output_tok_s": batch_tps, "single_stream_tok_s": single_tps,
+            "decode_weight_gib": step_bytes / 2**30,
+            "batch1_fraction_of_copy": step_bytes * single_tps / copy_bw,
+            "batch1_limit_tok_s": copy_bw / step_bytes,
+        }
+        print(method, {k: round(v, 3) for k, v in results["methods"][method].items()})
+        llm.shutdown()
+        del llm, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+        if method == "awq":
+            shutil.rmtree(path, ignore_errors=True)
+    base = results["methods"].get("bf16")
+    if base:
+        for r in results["methods"].values():
+            r["batch_vs_bf16"] = r["output_tok_s"] / base["output_tok_s"]
+            r["batch1_vs_bf16"] = r["single_stream_tok_s"] / base["single_stream_tok_s"]
+    for method, r in results["methods"].items():
+        print(f"{method:6s} batch {r['output_tok_s']:8.0f} tok/s ({r.get('batch_vs_bf16', 1):.2f}x)"
+              f"  batch-1 {r['single_stream_tok_s']:6.1f} tok/s ({r.get('batch1_vs_bf16', 1):.2f}x,"
+              f" {r['batch1_fraction_of_copy']:.0%} of the copy-bandwidth limit "
+              f"{r['batch1_limit_tok_s']:.0f})  weights/step {r['decode_weight_gib']:.2f} GiB")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="part", required=True)
+    k = sub.add_parser("kernels")
+    k.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 256])
+    k.add_argument("--sweep", action="store_true", help="time a few int4_gemv tile configs")
+    e = sub.add_parser("engine")
+    e.add_argument("--model", default="ember/configs/llama-3.1-8b")
+    e.add_argument("--methods", nargs="+", default=["bf16", "fp8", "awq"],
+                   choices=["bf16", "fp8", "awq", "fp8kv"])
+    e.add_argument("--num-prompts", type=int, default=256)
+    e.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
+    e.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
+    e.add_argument("--max-model-len", type=int, default=4096)
+    e.add_argument("--single-output-len", type=int, default=256)
+    for p in (k, e):
+        p.add_argument("--out", default=None)
+    ns = parser.parse_args()
+    result = bench_kernels(ns) if ns.part == "kernels" else bench_engine(ns)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
