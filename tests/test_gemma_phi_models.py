@@ -123,9 +123,27 @@ def test_gemma_refusals(tmp_path):
         Gemma3ForCausalLM(yarn, SdpaBackend)
 
 
-def test_archs_are_built_in():
+NAMES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+
+
+def test_archs_are_built_in_and_listed(capsys):
+    from ember.entrypoints.cli_plugins import main
     from ember.registry import ModelRegistry
 
-    for name in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"):
+    for name in NAMES:
         assert ModelRegistry.entry(name).provider.startswith("ember")
     assert set(ARCHS) >= set(CLASSES)
+    assert main([]) == 0  # `ember plugins`
+    out = capsys.readouterr().out
+    for name in ModelRegistry.names():  # every architecture, these three included
+        assert name in out
+
+
+def test_unknown_architectures_get_the_list_and_gemma3_vision_a_hint():
+    from ember.registry import ModelRegistry
+
+    with pytest.raises(ValueError, match="known architectures: .*Gemma2ForCausalLM") as info:
+        ModelRegistry.resolve_architecture(["FrobnicatorForCausalLM"])
+    assert all(name in str(info.value) for name in NAMES)
+    with pytest.raises(ValueError, match="vision tower.*text-only.*Phi3ForCausalLM"):
+        ModelRegistry.resolve_architecture(["Gemma3ForConditionalGeneration"])

@@ -45,8 +45,9 @@ class ModelRegistryType(LazyRegistry[type]):
         archs = [architectures] if isinstance(architectures, str) else list(architectures)
         arch = next((a for a in archs if a in self), None)
         if arch is None:
+            hints = "".join(f" ({_UNSUPPORTED_HINTS[a]})" for a in archs if a in _UNSUPPORTED_HINTS)
             raise ValueError(
-                f"model architecture {archs or '(none given in config)'} is not supported; "
+                f"model architecture {archs or '(none given in config)'} is not supported{hints}; "
                 f"known architectures: {', '.join(self.get_supported_archs())}"
             )
         return arch
@@ -55,6 +56,13 @@ class ModelRegistryType(LazyRegistry[type]):
         """The first registered architecture of ``architectures``, and its class."""
         arch = self.resolve_architecture(architectures)
         return self.resolve(arch), arch
+
+
+# Why a well-known architecture is refused, when a close one is built in.
+_UNSUPPORTED_HINTS = {
+    "Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower: ember runs the text-only "
+    "Gemma3ForCausalLM checkpoints (gemma-3-1b, or a text-only export of a larger one)",
+}
 
 
 class AttentionBackendRegistryType(LazyRegistry[type]):
