@@ -9,7 +9,9 @@ stopped with nothing left behind.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import time
 
 import httpx
 import numpy as np
@@ -159,6 +161,36 @@ def test_pooling_score_and_rerank_on_an_embedding_model(minilm_server, st_refere
     assert ranked["results"][0]["document"] == {"text": docs[best[0]]}
     err = _error(server.post("/score", text_1="a", text_2="b", use_activation=False))
     assert err["param"] == "use_activation"
+
+
+def test_async_llm_encode_and_cancelled_requests(minilm_server, st_reference):
+    """vLLM's AsyncLLM.encode; a caller cancelled while its prompts are in the core leaves no
+    request behind, and the engine serves on (from another event loop than the server's)."""
+    from ember.pooling.params import PoolingParams
+
+    engine = minilm_server.engine
+    n = 64
+
+    async def run() -> list:
+        task = asyncio.ensure_future(engine.pool_many(
+            [SENTENCES[3]] * n, [PoolingParams(task="embed")] * n, [f"gone-{i}" for i in range(n)]))
+        await asyncio.sleep(0)  # sent to the core
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.pool_many(["a", "b"], [PoolingParams()] * 2, ["same", "same"])
+        return [out async for out in engine.encode(SENTENCES[2], PoolingParams(task="embed"),
+                                                   "after")]
+
+    (out,) = asyncio.run(run())
+    assert out.finished and out.request_id == "after"
+    assert F.cosine_similarity(out.outputs.data, st_reference[2], dim=0) >= 0.99999
+    assert engine.stats()["num_unfinished_requests"] == 0
+    deadline = time.monotonic() + 30
+    while engine.call_core_sync("idle_report")["has_work"]:
+        assert time.monotonic() < deadline, "the core kept the cancelled requests"
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
