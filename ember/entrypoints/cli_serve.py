@@ -10,7 +10,8 @@ from ember.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, DESCRIPTORS_
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
-                        help="HF directory or .gguf file (default: the embedded SmolLM2 GGUF)")
+                        help="HF directory, .gguf file or hub name such as org/name (default: "
+                             "the embedded SmolLM2 GGUF)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None,
