@@ -66,11 +66,11 @@ def _alive(pids: list[int]) -> list[int]:
     return alive
 
 
-def _check_layout(models, model: str, layout: str, backend: str) -> None:
+def _check_layout(models, model: str, layout: str, backend: str, **kw) -> None:
     path, ref = models[model]
     tp, pp = LAYOUTS[layout]
     llm = LLM(model=path, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              distributed_executor_backend=backend, **ENGINE)
+              distributed_executor_backend=backend, **ENGINE, **kw)
     try:
         pids = llm.llm_engine.executor.worker_pids
         assert len(pids) == tp * pp
@@ -211,7 +211,8 @@ def test_mp_tp2_llama_then_worker_killed(models):
 
 @pytest.mark.slow
 def test_mp_tp2_pp2_qwen3_more_ranks_than_kv_heads(models):
-    _check_layout(models, "qwen3_one_kv_head", "tp2pp2", "mp")
+    """Async scheduling on: the workers launch step N+1 before resolving step N."""
+    _check_layout(models, "qwen3_one_kv_head", "tp2pp2", "mp", async_scheduling=True)
 
 
 GRID = [(m, lay, b) for m in MODELS for lay in LAYOUTS for b in ("mp", "ray")]

@@ -37,6 +37,8 @@ logger = logging.getLogger("ember")
 STARTUP_TIMEOUT_SECONDS = 1800.0
 SHUTDOWN_TIMEOUT_SECONDS = 5.0
 PARENT_CHECK_MS = 1000
+# Async scheduling: how long a worker waits for step N+1 before resolving step N on its own.
+OVERLAP_WAIT_MS = 2
 
 
 def _die_with_parent() -> None:
@@ -87,10 +89,27 @@ def run_rank(args: EngineArgs, rank: int, init_method: str, cmd_address: str,
 
 
 def _serve(worker, cmd: zmq.Socket, out: zmq.Socket, parent: int) -> None:
+    """Run commands in order. Under async scheduling a launched step is resolved only once the
+    next step has been launched behind it (or none came within OVERLAP_WAIT_MS), as the engine
+    core does in process: the host prepares step N+1 while the device runs step N."""
     from ember.pickling import dumps, loads
 
+    overlap_ms = OVERLAP_WAIT_MS if worker.async_scheduling else 0
+    pending: tuple[int, Any] | None = None  # (seq, launched step) not yet resolved
+
+    def finish() -> None:
+        nonlocal pending
+        seq, step = pending  # type: ignore[misc]
+        pending = None
+        result = worker.finish(step)
+        if result is not None:
+            out.send(b"S" + pickle.dumps((seq, result), protocol=pickle.HIGHEST_PROTOCOL))
+
     while True:
-        if not cmd.poll(PARENT_CHECK_MS):
+        if pending is not None and not cmd.poll(overlap_ms):
+            finish()
+            continue
+        if pending is None and not cmd.poll(PARENT_CHECK_MS):
             if os.getppid() != parent:
                 return
             continue
@@ -98,10 +117,14 @@ def _serve(worker, cmd: zmq.Socket, out: zmq.Socket, parent: int) -> None:
         kind = message[:1]
         if kind == b"S":  # step: b"S" + pickled (seq, plan); hot path, no extra framing
             seq, plan = pickle.loads(message[1:])
-            result = worker.execute(plan)
-            if result is not None:
-                out.send(b"S" + pickle.dumps((seq, result), protocol=pickle.HIGHEST_PROTOCOL))
-        elif kind == b"R":
+            step = worker.launch(plan)
+            if pending is not None:
+                finish()
+            pending = (seq, step)
+            continue
+        if pending is not None:
+            finish()
+        if kind == b"R":
             call_id, method, args, kwargs = loads(message[1:])
             try:
                 reply = ("ok", worker.rpc(method, args, kwargs))

@@ -19,6 +19,7 @@ from ember.config import EngineArgs
 
 if TYPE_CHECKING:
     from ember.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from ember.worker.in_flight import InFlightStep
 
 logger = logging.getLogger("ember")
 
@@ -42,7 +43,7 @@ class RankWorker:
     def __init__(self, args: EngineArgs, rank: int, local_rank: int, init_method: str) -> None:
         import os
 
-        from ember.distributed.parallel_state import init_parallel_state
+        from ember.distributed.parallel_state import init_parallel_state, is_driver
         from ember.platforms import resolve_platform
         from ember.plugins import load_plugins
         from ember.worker.builder import build_worker
@@ -66,6 +67,9 @@ class RankWorker:
                             init_method, platform.distributed_backend(),
                             platform.communicator_cls(), platform.device())
         built = build_worker(args)
+        self.is_driver = is_driver()
+        self.async_scheduling = (platform.async_scheduling_default
+                                 if args.async_scheduling is None else args.async_scheduling)
         self.runner = built.runner
         self.control = WorkerControl(self.runner, args, built.num_blocks)
         self.info = RankInfo(rank, os.getpid(), built.model_config, built.attn_backend.name,
@@ -74,11 +78,16 @@ class RankWorker:
                              built.startup_breakdown)
         logger.debug("rank %d ready in %s", rank, format_breakdown(built.startup_breakdown))
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
-        from ember.distributed.parallel_state import is_driver
+    def launch(self, plan: SchedulerOutput) -> InFlightStep:
+        return self.runner.launch(plan)
 
-        result = self.runner.launch(plan).resolve()
-        return result if is_driver() else None
+    def finish(self, step: InFlightStep) -> ModelRunnerOutput | None:
+        """Wait for a launched step; its output on the driver, None elsewhere."""
+        result = step.resolve()
+        return result if self.is_driver else None
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.finish(self.launch(plan))
 
     def rpc(self, method: str | Callable[..., Any], args: tuple = (),
             kwargs: dict[str, Any] | None = None) -> Any:
