@@ -54,6 +54,21 @@ def test_per_token_fp8_equals_torch(dtype):
     assert q[3].float().abs().max() == 0  # an all-zero row: zeros, no NaN
 
 
+@pytest.mark.parametrize("m,split_k", [(1, 1), (5, 3)])
+def test_small_batch_kernel_streams_fp8_weights(m, split_k):
+    """Decode batch sizes: the weight-streaming kernel widens fp8 tiles and scales each output
+    channel (W8A16), against x @ (q * scale).T."""
+    from ember.kernels.small_batch_linear import small_batch_linear
+
+    q, scale = quantize_weight_per_channel(torch.randn(40, 96))
+    x = torch.randn(m, 96).half()
+    bias = torch.randn(40).half()
+    got = small_batch_linear(x.to(DEV), q.to(DEV), bias.to(DEV), config=(16, 32, split_k),
+                             weight_scale=scale.to(DEV))
+    want = x.float() @ (q.float() * scale[:, None]).T + bias.float()
+    torch.testing.assert_close(got.float().cpu(), want, atol=1e-2, rtol=1e-2)
+
+
 def test_weight_quantized_per_channel_at_load():
     weight = torch.randn(48, 64)
     weight[5] = 0.0

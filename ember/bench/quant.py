@@ -5,8 +5,9 @@
         --methods bf16 fp8 awq fp8kv --out quant_engine.json
 
 ``kernels``: Llama-3.1-8B's projections at 1, 4 and 16 rows and at 256: bf16 cuBLAS, the
-small-batch bf16 kernel, fp8 (per-token quantization + torch._scaled_mm) and int4 (int4_gemv /
-int4_gemm, with a small sweep of int4_gemv tiles), each timed inside a CUDA graph over weight
+small-batch bf16 kernel, fp8 (per-token quantization + torch._scaled_mm, and up to 16 rows the
+small-batch kernel streaming the fp8 weight) and int4 (int4_gemv / int4_gemm, with a small sweep
+of int4_gemv tiles), each timed inside a CUDA graph over weight
 copies larger than L2, as bandwidth (weight bytes per second and the fraction of the copy
 bandwidth). Every kernel is checked against its dequantized reference first.
 
@@ -115,6 +116,8 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
             timed("fp8_scaled_mm", n * k + n * 4,
                   lambda x_, wt, s8=s8: fp8_linear(x_, wt, s8, None), sets["fp8"])
             if m <= 16:
+                timed("fp8_small_batch", n * k + n * 4,
+                      lambda x_, wt, s8=s8: fp8_linear(x_, wt, s8, None, 16), sets["fp8"])
                 timed("int4_gemv", int4_bytes, lambda x_, t: int4_gemv(x_, *t, 128),
                       sets["int4"])
                 for cfg in GEMV_CONFIGS if ns.sweep else []:

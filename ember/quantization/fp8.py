@@ -1,5 +1,8 @@
 """fp8 (W8A8): float8_e4m3fn weights with one scale per output channel, activations quantized per
 token as each layer runs, multiplied by torch._scaled_mm (cuBLASLt's fp8 GEMM, row-wise scales).
+At decode batch sizes (as many rows as ember.layers.linear gives a bf16 weight of the same bytes)
+the weight streams through ember's small-batch kernel instead, widened to the activations' dtype
+(W8A16: no activation quantization, no second kernel).
 
 Two ways in:
 - fp8 checkpoints: compressed-tensors' "float-quantized" format (quant_method
@@ -27,7 +30,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ember.layers.linear import Linear, LinearMethod, param_owner, shard_offset_size, tp_slice
+from ember.kernels import dispatch
+from ember.layers.linear import (
+    Linear,
+    LinearMethod,
+    param_owner,
+    shard_offset_size,
+    small_batch_max_rows,
+    tp_slice,
+)
 from ember.quantization.awq import quantization_config_dict, skipped
 from ember.quantization.base import QuantizationMethod
 from ember.quantization.int4_linear import replace_weight
@@ -77,12 +88,19 @@ def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """x [..., in] (16-bit) times an fp8 weight [out, in] with per-channel scales [out]."""
+               bias: torch.Tensor | None, small_batch_rows: int = 0) -> torch.Tensor:  # fmt: skip
+    """x [..., in] (16-bit) times an fp8 weight [out, in] with per-channel scales [out]: W8A8
+    through torch._scaled_mm, or up to ``small_batch_rows`` rows on CUDA W8A16 through the
+    weight-streaming kernel (ember.kernels.small_batch_linear: no activation quantization)."""
     from ember import kernels
+    from ember.kernels import dispatch
 
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    if x2.shape[0] <= small_batch_rows and dispatch.takes_kernel(x2):
+        y = kernels.small_batch_linear.small_batch_linear(x2, weight, bias,
+                                                          weight_scale=weight_scale)
+        return y.view(*shape[:-1], y.shape[-1])
     xq, x_scale = kernels.fp8_quant.per_token_fp8(x2)
     # Row-wise scaling in cuBLASLt writes bf16; a float16 model casts the result back.
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
@@ -105,6 +123,10 @@ class Fp8LinearMethod(LinearMethod):
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:  # fmt: skip
         out = sum(output_sizes)
+        # Decode batches stream the fp8 weight through the small-batch kernel under the same
+        # byte limits as a bf16 weight (ember.layers.linear): half the outputs, same bytes.
+        layer.small_batch_max_rows = (small_batch_max_rows(input_size, max(1, out // 2))
+                                      if dispatch.layer_kernels_enabled() else 0)
         weight_dtype = FP8 if self.serialized else dtype
         layer.register_weight("weight", nn.Parameter(torch.empty(out, input_size,
                                                                  dtype=weight_dtype),
@@ -129,7 +151,7 @@ class Fp8LinearMethod(LinearMethod):
                               {"output_dim": 0, "weight_loader": _load_weight_scale})
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias, layer.small_batch_max_rows)
 
     def dequantize_weight(self, layer: Linear) -> torch.Tensor:
         """float32 W [out, in] the layer computes with (the quantization check's reference)."""
