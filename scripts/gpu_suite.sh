@@ -7,8 +7,8 @@
 # (default: the first six; ceilings also gives the shipped models' limits; profile1 profiles
 # batch-1 decode of SmolLM2 and Llama-8B; linear times the small-batch linear kernel against
 # cuBLAS; linearpdl: its configs with PDL off and on, alone and after a norm; latency times
-# decode attention per layer at batch 1 and 4; mp runs Qwen3-0.6B in process and through the mp
-# executor). The kernel benchmarks are ember.bench modules.
+# decode attention per layer at batch 1 and 4; mp runs the GPU tests of tests/test_distributed.py
+# (two-GPU ones skip on one), then Qwen3-0.6B in process and through the mp executor). The kernel benchmarks are ember.bench modules.
 # Parts run in the order given, so a long suite can be split over runs, e.g.
 #   scripts/gpu_suite.sh ceilings smollm qwen3 llama8b   then   scripts/gpu_suite.sh tests kernels
 # EMBER_COMMIT=<sha> names the commit in the result files where the tree has no usable git HEAD.
@@ -66,7 +66,9 @@ for part in $PARTS; do
                   --max-model-len 2048 --compact --out "$OUT/structured.json" ;;
     # What the process boundary costs: Qwen3-0.6B (nano-vllm's workload) with the model in the
     # engine core's process (uni) and in one spawned worker process (mp), same run.
-    mp) for backend in uni mp; do
+    mp) stage dist_gpu_tests 240 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
+          tests/test_distributed.py --junitxml="$OUT/dist_gpu_tests.xml"
+        for backend in uni mp; do
           stage "qwen3_$backend" 130 $BENCH --model ember/configs/qwen3-0.6b $NANO --no-baseline \
             --distributed-executor-backend $backend --single-output-len 512 \
             --out "$OUT/qwen3_$backend.json"
