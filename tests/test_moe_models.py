@@ -42,8 +42,8 @@ def tiny(request, tmp_path_factory):
 
 VARIANTS = {
     "batched_prefix_caching": dict(block_size=4),
-    "budget16_chunked_prefill": dict(max_num_batched_tokens=16, enable_prefix_caching=False),
-    "tiny_kv_cache_preempts": dict(block_size=4, num_gpu_blocks_override=40),
+    "chunked_prefill_tiny_kv_cache_preempts": dict(max_num_batched_tokens=16, block_size=4,
+                                                   num_gpu_blocks_override=40),
     "async_tiny_kv_cache_preempts": dict(async_scheduling=True, block_size=4,
                                          num_gpu_blocks_override=40),
 }

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ember.attention_backends.base import AttentionBackend
-from ember.layers import linear
+from ember.layers.linear import bind_weight_loaders, weight_loader
 from ember.layers.moe import FusedMoE, SparseMoeBlock, load_expert_weight
 from ember.models.llama import LlamaForCausalLM
 
@@ -37,6 +37,11 @@ _FUSED_EXPERTS = {"gate_up_proj": "w13", "down_proj": "w2"}
 class MoeForCausalLM(LlamaForCausalLM):
     """A causal LM whose sparse layers' ``mlp`` is a SparseMoeBlock. Subclasses say which layers
     are sparse, how the config names the expert counts, and how checkpoints name experts."""
+
+    # The experts are not split over ranks or stages (the engine refuses tensor_parallel_size
+    # or pipeline_parallel_size > 1 for these models).
+    supports_tensor_parallel: ClassVar[bool] = False
+    supports_pipeline_parallel: ClassVar[bool] = False
 
     # Checkpoint name of the MoE block where it is not "mlp" (Mixtral: "block_sparse_moe").
     moe_block_name: ClassVar[str] = "mlp"
@@ -110,33 +115,25 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def _copy_shard(self, name: str, param: nn.Parameter, tensor: torch.Tensor, shard: Any,
                     hf_name: str) -> None:  # fmt: skip
-        # Experts by their module: parameter attributes do not survive to_empty off the meta
-        # device (it makes new Parameters).
+        """Experts through ``load_expert_weight``; everything else through its parameter's
+        ``weight_loader`` (narrowing to a fused projection's shard, checking the shape)."""
+        # Experts by their module: attributes set on a parameter do not survive to_empty off
+        # the meta device (it makes new Parameters); Linear layers restore theirs.
         owner = self.get_submodule(name.rsplit(".", 1)[0])
-        loader = (load_expert_weight if isinstance(owner, FusedMoE)
-                  else getattr(param, "weight_loader", None))
-        if loader is not None:  # the linear-layer contract's loader, or the experts'
+        if isinstance(owner, FusedMoE):
             try:
-                loader(param, tensor, shard)
+                load_expert_weight(param, tensor, shard)
             except ValueError as e:
                 raise ValueError(f"weight {hf_name!r}: {e}") from e
             return
-        dst = param.data
-        if shard is not None:
-            sizes = self.get_submodule(name.rsplit(".", 2)[0]).shard_sizes()
-            dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
-        if tuple(tensor.shape) != tuple(dst.shape):
-            raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                             f"the model expects {tuple(dst.shape)}")
-        dst.copy_(tensor)
+        param._ember_name = hf_name  # type: ignore[attr-defined]  # errors name the HF weight
+        weight_loader(param)(param, tensor, shard)  # the linear-layer contract's loader
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors in (casting dtype, moving device); ValueError on unknown,
         missing or mis-shaped names. Returns the names loaded."""
-        # The linear-layer contract's loaders need to know each parameter's layer and name.
-        bind = getattr(linear, "bind_weight_loaders", None)
-        params = bind(self) if bind is not None else dict(self.named_parameters())
+        params = bind_weight_loaders(self)  # each parameter knows its layer and name
         required = self._required()
         got: dict[str, set[Any]] = {}
         loaded: set[str] = set()
