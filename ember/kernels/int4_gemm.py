@@ -58,9 +58,13 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, 
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def int4_gemm_config(m: int, group_size: int) -> tuple[int, int, int, int, int]:
+def int4_gemm_config(m: int, group_size: int,
+                     elem_bytes: int = 2) -> tuple[int, int, int, int, int]:
     """(block_m, block_n, block_k, num_warps, num_stages) by row count. Not tuned on hardware
-    yet: the usual shapes of a Hopper fp16 GEMM with a 4-bit B operand."""
+    yet: the usual shapes of a Hopper fp16 GEMM with a 4-bit B operand; float32 inputs take
+    half-size tiles (twice the bytes per element in shared memory)."""
+    if elem_bytes > 2:
+        return 32 if m <= 32 else 64, 64, block_k_for(group_size, 32), 4, 3
     if m <= 32:
         return 32, 64, block_k_for(group_size, 128), 4, 4
     if m <= 128:
@@ -82,7 +86,8 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m, block_n, block_k, num_warps, num_stages = config or int4_gemm_config(m, group_size)
+    block_m, block_n, block_k, num_warps, num_stages = config or int4_gemm_config(
+        m, group_size, x.element_size())
     assert group_size % block_k == 0 or group_size == k, "a tile must not straddle two groups"
     grid = (cdiv(m, block_m) * cdiv(n, block_n),)
     _int4_gemm_kernel[grid](
