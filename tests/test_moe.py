@@ -191,6 +191,10 @@ def test_missing_and_misshapen_experts_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"experts\.9"):
         load_model(hf.config, Qwen3MoeForCausalLM, SdpaBackend, torch.float32,
                    weights=iter(extra))
+    cfg = make_moe_config("qwen3_moe")
+    cfg.quantization_config = {"quant_method": "awq", "bits": 4}
+    with pytest.raises(ValueError, match="quant_method 'awq'"), torch.device("meta"):
+        Qwen3MoeForCausalLM(cfg, SdpaBackend, torch.float32)
     path = make_moe_model("mixtral", tmp_path, hidden_act="gelu")
     with pytest.raises(ValueError, match="hidden_act"):
         load_model(path, MixtralForCausalLM, SdpaBackend, torch.float32)

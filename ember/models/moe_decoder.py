@@ -54,6 +54,12 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: Any, attn_backend: type[AttentionBackend],
                  dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+        quant = getattr(config, "quantization_config", None)
+        if quant:  # expert tensors are float only: a quantized checkpoint's would not load
+            method = (quant.get("quant_method") if isinstance(quant, dict)
+                      else getattr(quant, "quant_method", quant))
+            raise ValueError(f"{type(self).__name__}: quantized checkpoints (quant_method "
+                             f"{method!r}) are not supported; the experts load float weights")
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}: only silu is implemented")
