@@ -7,7 +7,7 @@ uniform in [100, 1024]) and batch-1 decode, and counts on the device the experts
 layer call hits (ember.kernels.fused_moe.count_expert_hits). A run's bytes are, per step, the
 dense weights (attention, dense MLPs, routers, lm_head) plus every expert hit (distinct experts
 per layer) plus the KV cache its decodes read; bytes / time / bandwidth is the fraction
-reported. Batch 1 hits exactly top_k experts per layer. ``--kernel`` also times one fused MoE
+reported. Batch 1 hits exactly top_k experts per layer. ``--kernel`` then times one fused MoE
 layer alone (inside a CUDA graph, weights rotated over copies so L2 does not serve them) for a
 range of token counts and a few tile configurations, the data for the tuning table in
 ember.kernels.fused_moe. Prints one JSON line.
@@ -173,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"bench": "moe", "model": ns.model, "arch": arch,
                               "commit": git_commit(), "date": time.strftime("%Y-%m-%d"),
                               "bandwidth_tb_s": ns.bandwidth / 1e12, **shape}
-    if ns.kernel:
-        result["kernel"] = kernel_sweep(cfg, model_cls, ns)
     if not ns.skip_engine:
+        import gc
+
         import torch
 
         from ember import LLM
@@ -189,16 +189,28 @@ def main(argv: list[str] | None = None) -> int:
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         device = llm.llm_engine.executor.runner.device
         result["workload"] = run_workload(llm, ns, shape, device)
+        _save(result, ns.out)  # each part as it ends: a time limit keeps what was done
         result["batch1"] = run_batch1(llm, ns, shape, cfg, device)
         result["goals_met"] = {"workload>=0.40": result["workload"]["fraction_of_limit"] >= 0.40,
                                "batch1>=0.50": result["batch1"]["fraction_of_limit"] >= 0.50}
+        _save(result, ns.out)
+        fused_moe.count_expert_hits(False)
         llm.shutdown()
-    line = json.dumps(result, default=str)
-    print(line)
-    if ns.out:
-        with open(ns.out, "w") as f:
-            f.write(line + "\n")
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    if ns.kernel:
+        result["kernel"] = kernel_sweep(cfg, model_cls, ns)
+    print(_save(result, ns.out))
     return 0
+
+
+def _save(result: dict, out: str | None) -> str:
+    line = json.dumps(result, default=str)
+    if out:
+        with open(out, "w") as f:
+            f.write(line + "\n")
+    return line
 
 
 if __name__ == "__main__":
