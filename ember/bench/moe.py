@@ -114,7 +114,7 @@ def kernel_sweep(cfg: Any, model_cls: type, ns) -> list[dict]:
         "small": [fm.MoeConfig(16, tile(32, 256, 4, 3), tile(64, 128, 4, 3)),
                   fm.MoeConfig(16, tile(64, 128, 4, 4), tile(64, 128, 4, 4)),
                   fm.MoeConfig(16, tile(16, 256, 2, 4), tile(32, 256, 4, 3)),
-                  fm.MoeConfig(16, tile(32, 128, 4, 5), tile(128, 64, 4, 4))],
+                  fm.MoeConfig(16, tile(16, 512, 4, 2), tile(16, 256, 2, 3))],
         "large": [fm.MoeConfig(32, tile(64, 128, 4, 3), tile(64, 128, 4, 3)),
                   fm.MoeConfig(64, tile(128, 64, 8, 3), tile(128, 64, 8, 3)),
                   fm.MoeConfig(64, tile(64, 64, 4, 4), tile(128, 64, 4, 4)),

@@ -59,16 +59,18 @@ def moe_config(num_pairs: int, num_experts: int, dtype: torch.dtype,
                on_gpu: bool) -> MoeConfig:  # fmt: skip
     """Tiles for an H200-class GPU, chosen by rows per expert (num_pairs / num_experts).
 
-    Decode (a few rows per expert): BLOCK_M 16 (tl.dot's least), narrow N tiles so the hit
-    experts' weights spread over every SM and each is streamed once; long K tiles keep many
-    bytes in flight. Large batches: 64 x 128 tiles. Under TRITON_INTERPRET small tiles keep CPU
-    tests fast."""
+    Decode (a few rows per expert): BLOCK_M 16 (tl.dot's least) and narrow N tiles, so that at
+    batch 1 (8 experts of Qwen3-30B-A3B hit per layer) gemm1 has 8 x 48 programs and gemm2
+    8 x 64, all resident at once on 132 SMs: each hit expert's weights are streamed once, evenly
+    over every SM, with long K tiles keeping bytes in flight. Large batches: 64 x 128 tiles.
+    Under TRITON_INTERPRET small tiles keep CPU tests fast. ``python -m ember.bench.moe
+    --kernel`` times these against a few others on the device."""
     if not on_gpu:
         return MoeConfig(16, GemmTile(32, 32, 1, 1), GemmTile(32, 32, 1, 1))
     per_expert = num_pairs / num_experts
     wide = dtype == torch.float32  # double the bytes per tile: halve K so shared memory fits
     if per_expert <= 4:
-        cfg = MoeConfig(16, GemmTile(32, 256, 4, 3), GemmTile(64, 128, 4, 3))
+        cfg = MoeConfig(16, GemmTile(16, 256, 4, 3), GemmTile(32, 128, 4, 3))
     elif per_expert <= 32:
         cfg = MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3))
     else:
