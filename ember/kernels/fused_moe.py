@@ -10,7 +10,7 @@ it; every grid is sized from the token count alone).
     gemm1      per block: x rows of its pairs @ w13[e]^T, gate and up tiles side by side, SiLU *
                up in the epilogue -> intermediate [N, I], one row per (token, slot) pair
     gemm2      per block: intermediate rows @ w2[e]^T, times the routing weight -> [N, H]
-    then a sum over each token's k rows.
+    sum_k      each token's k rows summed (float32, one rounding).
 
 Blocks past the padded total exit at once, so a grid sized for the worst case costs little.
 The rounding follows the torch path (each matmul's output rounded to the activation dtype, the
@@ -276,6 +276,22 @@ def expert_hit_stats(device: torch.device | str, reset: bool = False) -> tuple[i
     return hits, calls
 
 
+@triton.jit
+def _sum_k_kernel(src_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
+    # out[t] = sum of src rows t*K .. t*K+K-1, in float32, rounded once (as torch's sum).
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(K):
+        acc += tl.load(src_ptr + (t * K + k) * H + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _counts(device: torch.device) -> torch.Tensor:
     return scratch_buffer("moe_expert_counts", MAX_EXPERTS, torch.int32, device, zeroed=True)
 
@@ -369,7 +385,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         BLOCK_K=g2.block_k, PRECISION=precision, num_warps=g2.num_warps,
         num_stages=g2.num_stages, **pdl_options(x),
     )
-    return pair_out.view(t, top_k, h).sum(dim=1)
+    out = torch.empty_like(x)
+    block = min(next_power_of_2(h), 1024)
+    _sum_k_kernel[(t, cdiv(h, block))](pair_out, out, h, K=top_k, BLOCK=block,
+                                       num_warps=max(1, min(8, block // 256)), **pdl_options(x))
+    return out
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,

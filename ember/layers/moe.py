@@ -22,6 +22,7 @@ from torch import nn
 
 from ember import kernels
 from ember.kernels import dispatch
+from ember.layers.linear import small_batch_max_rows
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -67,8 +68,14 @@ class Router(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))
+        # Decode batches on CUDA in half precision take the weight-streaming kernel, as Linear
+        # layers do (it launches with PDL; cuBLAS's gemv does not).
+        self.small_batch_max_rows = (small_batch_max_rows(hidden_size, num_experts)
+                                     if dispatch.layer_kernels_enabled() else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.small_batch_max_rows and dispatch.takes_kernel(x):
+            return kernels.small_batch_linear.small_batch_linear(x, self.weight)
         return F.linear(x, self.weight)
 
 
