@@ -134,6 +134,7 @@ def _x(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
     (1, 40, 128, 32, None),  # N not a multiple of the tile
     (3, 64, 256, 64, (32, 32, 3, 4, 2)),  # K split in 3 (the last split is short)
     (16, 24, 96, 96, (64, 32, 2, 4, 2)),  # one group over all of K (group_size -1)
+    (1, 64, 256, 64, (32, 64, 2, 4, 2, True)),  # one row by float32 multiply-adds, split K
 ])
 def test_int4_gemv(dtype, m, n, k, group, config):
     qw, qz, s, w = _awq_case(k, n, group, dtype)
@@ -158,7 +159,7 @@ def test_int4_gemm(dtype, m, n, k, group, config):
 
 
 def test_gemv_config_splits_small_grids():
-    block_n, block_k, split_k, _, _ = int4_gemv_config(4096, 4096, 128, 132)
+    block_n, block_k, split_k, _, _, _ = int4_gemv_config(4096, 4096, 128, 132)
     assert block_k == 128 and 4096 // block_n * split_k >= 132
     assert int4_gemv_config(28672, 4096, 128, 132)[2] == 1
     assert int4_gemv_config(4096, 4096, 32, 132)[1] == 32  # a tile stays inside a group
@@ -176,4 +177,7 @@ def test_int4_kernels_llama8b_shapes_bf16(k, n, m):
     want = x.float() @ w
     if m <= 16:
         _check(int4_gemv(x, qw, qz, s, 128), want, torch.bfloat16)
+    if m == 1:
+        _check(int4_gemv(x, qw, qz, s, 128, config=(64, 128, 2, 4, 4, True)), want,
+               torch.bfloat16)
     _check(int4_gemm(x, qw, qz, s, 128), want, torch.bfloat16)

@@ -34,9 +34,11 @@ import torch.nn.functional as F
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}  # Llama-3.1-8B (out, in)
 L2_FLUSH_BYTES = 200 * 2**20
-# (block_n, block_k, -, warps, stages): K splits chosen as the default rule chooses them.
-GEMV_CONFIGS = [(64, 128, 0, 4, 4), (32, 128, 0, 4, 4), (128, 128, 0, 4, 4), (64, 128, 0, 4, 6),
-                (128, 128, 0, 8, 4), (64, 64, 0, 4, 6)]
+# (block_n, block_k, -, warps, stages, fma): K splits chosen as the default rule chooses them;
+# fma (float32 multiply-adds, no tensor cores) is timed at one row only.
+GEMV_CONFIGS = [(64, 128, 0, 4, 4, False), (32, 128, 0, 4, 4, False), (128, 128, 0, 4, 4, False),
+                (64, 128, 0, 4, 6, False), (128, 128, 0, 8, 4, False), (64, 64, 0, 4, 6, False),
+                (64, 128, 0, 4, 4, True), (128, 64, 0, 4, 4, True), (32, 128, 0, 2, 4, True)]
 
 
 def _copies(nbytes: int) -> int:
@@ -121,6 +123,8 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
                 timed("int4_gemv", int4_bytes, lambda x_, t: int4_gemv(x_, *t, 128),
                       sets["int4"])
                 for cfg in GEMV_CONFIGS if ns.sweep else []:
+                    if cfg[5] and m != 1:
+                        continue
                     c = _gemv_config(cfg, n, k)
                     timed(f"int4_gemv_{'x'.join(map(str, c))}", int4_bytes,
                           lambda x_, t, c=c: int4_gemv(x_, *t, 128, config=c), sets["int4"])

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.int4_gemv import block_k_for
-from ember.kernels.int4_tile import group_correction, load_q_tile
+from ember.kernels.int4_tile import group_correction, load_q_tile, q_offset, q_operand
 from ember.kernels.launch import cdiv, dot_precision, pdl_options
 
 
@@ -49,9 +49,10 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, 
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :],
                     other=0.0)
-        part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PREC)
+        part = tl.dot(x, q_operand(q, x.dtype), input_precision=DOT_PREC)
         xsum = tl.sum(x.to(tl.float32), 1)
-        acc += group_correction(part, xsum, qz_ptr, s_ptr, k0 // group_size, n0, N, NP, BLOCK_N)
+        acc += group_correction(part, xsum, qz_ptr, s_ptr, k0 // group_size, n0, N, NP,
+                                q_offset(x.dtype), BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],

@@ -4,7 +4,9 @@ At decode batch sizes the layer is a read of its weight: 4-bit storage moves a q
 bf16 weight's bytes, so the kernel's job is to keep HBM busy. One program per BLOCK_N output
 columns (times K splits) walks its K range in BLOCK_K-row tiles of packed int32, expands them to
 4-bit values in registers (ember.kernels.int4_tile) and multiplies with the rows of x padded to
-one tl.dot tile; the group's zero and scale are applied once per tile. With SPLIT_K > 1 each
+one tl.dot tile (or, for one row with FMA set, multiplies and adds in float32 without tensor
+cores: no layout change of the weight tile); the group's zero and scale are applied once per
+tile. With SPLIT_K > 1 each
 program stores an fp32 partial and the last split of a tile to finish adds them in split order
 (deterministic; no second kernel), as ember.kernels.small_batch_linear does.
 """
@@ -17,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.int4_tile import group_correction, load_q_tile
+from ember.kernels.int4_tile import group_correction, load_q_tile, q_offset, q_operand
 from ember.kernels.launch import cdiv, dot_precision, merge_counters, num_sms, pdl_options
 
 MAX_ROWS = 16
@@ -28,7 +30,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
                       M, N, K, stride_xm, stride_om, group_size, k_per_split,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                      PDL: tl.constexpr):
+                      FMA: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -48,9 +50,16 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & (offs_k < k_hi)[None, :], other=0.0)
-        part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PREC)
+        if FMA:  # BLOCK_M == 1: x [1, BLOCK_K]
+            qf = q_operand(q, tl.float32)
+            part = tl.sum(tl.trans(x.to(tl.float32)) * qf, 0)[None, :]
+            offset = 0.0
+        else:
+            part = tl.dot(x, q_operand(q, x.dtype), input_precision=DOT_PREC)
+            offset = q_offset(x.dtype)
         xsum = tl.sum(x.to(tl.float32), 1)
-        acc += group_correction(part, xsum, qz_ptr, s_ptr, k0 // group_size, n0, N, NP, BLOCK_N)
+        acc += group_correction(part, xsum, qz_ptr, s_ptr, k0 // group_size, n0, N, NP, offset,
+                                BLOCK_N)
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -80,24 +89,27 @@ def block_k_for(group_size: int, block_k: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def int4_gemv_config(n: int, k: int, group_size: int, sms: int) -> tuple[int, int, int, int, int]:
-    """(block_n, block_k, split_k, num_warps, num_stages) for an [k, n] weight: 64-column tiles
-    of 128 rows, and K splits until the grid holds about two programs per SM (a decode
-    projection of 4096 outputs has only 64 tiles). Not tuned on hardware yet: a first rule."""
+def int4_gemv_config(n: int, k: int, group_size: int,
+                     sms: int) -> tuple[int, int, int, int, int, bool]:
+    """(block_n, block_k, split_k, num_warps, num_stages, fma) for an [k, n] weight: 64-column
+    tiles of 128 rows on the tensor cores, and K splits until the grid holds about two programs
+    per SM (a decode projection of 4096 outputs has only 64 tiles). Not tuned on hardware yet: a
+    first rule (ember.bench.quant kernels --sweep times the alternatives)."""
     block_n = 64
     block_k = block_k_for(group_size, 128)
     tiles = cdiv(n, block_n)
     steps = cdiv(k, block_k)
     split_k = max(1, min(cdiv(2 * sms, tiles), steps // 4 or 1))
-    return block_n, block_k, split_k, 4, 4
+    return block_n, block_k, split_k, 4, 4, False
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
               group_size: int, bias: torch.Tensor | None = None,
-              config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+              config: tuple | None = None) -> torch.Tensor:
     """x [M <= 16, K] times the 4-bit weight (qweight [K, N/8], qzeros [G, N/8] in AWQ's
     order, scales [G, N]); ``group_size`` rows per group (K for one group). Output in x's dtype.
-    ``config`` = (block_n, block_k, split_k, num_warps, num_stages) overrides the rule."""
+    ``config`` = (block_n, block_k, split_k, num_warps, num_stages[, fma]) overrides the rule;
+    fma (float32 multiply-adds instead of tl.dot) applies to one row only."""
     m, k = x.shape
     n = qweight.shape[1] * 8
     assert m <= MAX_ROWS and qweight.shape[0] == k and scales.shape[1] == n
@@ -107,8 +119,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_n, block_k, split_k, num_warps, num_stages = (
+    block_n, block_k, split_k, num_warps, num_stages, *rest = (
         config or int4_gemv_config(n, k, group_size, num_sms(x.device)))
+    fma = bool(rest and rest[0]) and m == 1
     assert group_size % block_k == 0 or group_size == k, "a tile must not straddle two groups"
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
     split_k = cdiv(k, k_per_split)
@@ -121,8 +134,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     _int4_gemv_kernel[(n_tiles, split_k)](
         x, qweight, qzeros, scales, bias if bias is not None else scales, out, partials,
         counters, m, n, k, x.stride(0), out.stride(0), group_size, k_per_split,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype), num_warps=num_warps,
+        BLOCK_M=1 if fma else MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype), FMA=fma, num_warps=num_warps,
         num_stages=num_stages, **pdl_options(x),
     )
     return out
