@@ -28,6 +28,7 @@ from ember.kernels.fp8_quant import per_token_fp8  # noqa: E402
 from ember.quantization.fp8 import (  # noqa: E402
     Fp8LinearMethod,
     Fp8Quantization,
+    per_token_fp8_torch,
     quantize_weight_per_channel,
 )
 from ember.testing import check_quantized_linear  # noqa: E402
@@ -52,6 +53,8 @@ def test_per_token_fp8_equals_torch(dtype):
     want_q = (x.float() * (1.0 / want_scale)).clamp(-448, 448).to(FP8)
     assert torch.equal(q.cpu().float(), want_q.float())
     assert q[3].float().abs().max() == 0  # an all-zero row: zeros, no NaN
+    q_torch, scales_torch = per_token_fp8_torch(x.to(DEV))  # the compile-time path
+    assert torch.equal(q_torch.float(), q.float()) and torch.equal(scales_torch, scales)
 
 
 @pytest.mark.parametrize("m,split_k", [(1, 1), (5, 3)])

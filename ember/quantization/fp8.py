@@ -24,6 +24,7 @@ schemes.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, ClassVar
 
@@ -87,6 +88,12 @@ def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, tor
     return q, scale
 
 
+def per_token_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ember.kernels.fp8_quant.per_token_fp8 computes, in torch ops."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None, small_batch_rows: int = 0) -> torch.Tensor:  # fmt: skip
     """x [..., in] (16-bit) times an fp8 weight [out, in] with per-channel scales [out]: W8A8
@@ -101,7 +108,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         y = kernels.small_batch_linear.small_batch_linear(x2, weight, bias,
                                                           weight_scale=weight_scale)
         return y.view(*shape[:-1], y.shape[-1])
-    xq, x_scale = kernels.fp8_quant.per_token_fp8(x2)
+    if torch.compiler.is_compiling() or not (x2.is_cuda or os.environ.get("TRITON_INTERPRET")
+                                             == "1"):
+        xq, x_scale = per_token_fp8_torch(x2)  # inductor fuses these; no triton launch traced
+    else:
+        xq, x_scale = kernels.fp8_quant.per_token_fp8(x2)
     # Row-wise scaling in cuBLASLt writes bf16; a float16 model casts the result back.
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                          out_dtype=torch.bfloat16)
