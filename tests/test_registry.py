@@ -110,7 +110,7 @@ def test_backend_capabilities_are_normalised():
     assert entry.capabilities == {
         "devices": ["cpu"], "dtypes": ["float16", "bfloat16"], "head_sizes": [64],
         "sliding_window": False, "cuda_graphs": False, "priority": 0, "requires": [],
-        "env_devices": {},
+        "env_devices": {}, "kv_cache_dtypes": ["auto"],
     }
 
 
