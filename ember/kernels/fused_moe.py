@@ -309,7 +309,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
     ranks = torch.empty(t * top_k, dtype=torch.int32, device=dev)
     if t:
         _route_kernel[(t,)](router_logits, router_logits.stride(0), ids, weights, ranks,
-                            _counts(dev), e, K=top_k, BLOCK_K=next_power_of_2(top_k),
+                            _counts(dev), e, K=top_k, BLOCK_K=max(2, next_power_of_2(top_k)),
                             BLOCK_E=next_power_of_2(e), RENORMALIZE=renormalize,
                             **pdl_options(router_logits))
     return weights, ids, ranks
