@@ -223,7 +223,9 @@ def test_gpu_fused_moe_bf16_close_to_torch(shape, tokens):
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, h, generator=gen).cuda().bfloat16()
     w13, w2 = _experts(e, h, inter, torch.bfloat16, "cuda")
-    logits = torch.randn(tokens, e, generator=gen).cuda().bfloat16()
+    # float32 logits: bf16 ones tie often among 128 experts, and torch.topk and the kernel may
+    # break a tie differently (a different expert, not an error).
+    logits = torch.randn(tokens, e, generator=gen).cuda()
     weights, ids = route(logits, k, True, torch.bfloat16)
     want = moe_torch(x.float(), w13.float(), w2.float(), weights.float(), ids)
     got = fm.fused_moe(x, w13, w2, logits, k, True, round_weights=True)
