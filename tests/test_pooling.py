@@ -392,3 +392,34 @@ def test_bert_on_cuda_matches_transformers(tmp_path):
         err = ((got - want).abs().max() / want.abs().max()).item()
         print(f"{dtype}: max relative logit error {err:.2e}")
         assert err <= tol, (dtype, err)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gguf_decoder_embeddings_match_transformers(tmp_path, arch):
+    """A small GGUF decoder (mixed quant types, test_gguf's writer) with convert="embed":
+    last-token embeddings of the dequantized weights, against transformers loading the file."""
+    from test_gguf import write_gguf
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(path, arch, tied=False)
+    llm = LLM(model=str(path), convert="embed", skip_tokenizer_init=True)
+    assert llm.llm_engine.model_config.runner == "pooling"
+    outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    llm.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    for p, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            last = hf.model(torch.tensor([p])).last_hidden_state[0, -1]
+        assert torch.allclose(torch.tensor(out.outputs.embedding), F.normalize(last, dim=0),
+                              atol=1e-5)
+
+
+def test_engine_args_a_pooling_model_cannot_honour_are_refused():
+    for kwargs, match in ((dict(quantization="int8"), "quantization='int8' is not supported"),
+                          (dict(compile_model=True), "compile_model=True is not supported"),
+                          (dict(attention_backend="sdpa"), "attention_backend='sdpa'"),
+                          (dict(enable_sleep_mode=True), "enable_sleep_mode=True")):
+        with pytest.raises(ValueError, match=match):
+            LLM(model=minilm_dir(), **kwargs)

@@ -45,6 +45,24 @@ def make_engine_core(args: EngineArgs):
     return EngineCore(args)
 
 
+# EngineArgs a pooling model would otherwise ignore: refused by name (the KV-cache sizes are
+# accepted and unused, as in vLLM: a pooling model keeps no KV cache).
+_REFUSED = {
+    "compile_model": ("compile_model", lambda v: bool(v), "pooling models run eagerly"),
+    "attention_backend": ("attention_backend", lambda v: v is not None,
+                          "pooling models use their own attention (SDPA over padded prompts)"),
+    "enable_sleep_mode": ("enable_sleep_mode", lambda v: bool(v),
+                          "the pooling engine core has no sleep mode"),
+}
+
+
+def refuse_unsupported(args: EngineArgs) -> None:
+    for field, (name, bad, why) in _REFUSED.items():
+        value = getattr(args, field, None)
+        if bad(value):
+            raise ValueError(f"{name}={value!r} is not supported for pooling models: {why}")
+
+
 class PoolingEngineCore:
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
@@ -55,9 +73,14 @@ class PoolingEngineCore:
         from ember.pooling.runner import PoolingRunner
 
         load_plugins()
+        refuse_unsupported(args)
         platform = resolve_platform(args.device)
         self.args = args
         self.model_config = resolve_model_config(args, platform)
+        if self.model_config.quantization is not None:
+            raise ValueError(f"quantization={self.model_config.quantization!r} is not supported "
+                             "for pooling models: they run float weights (GGUF files are "
+                             "dequantized)")
         self.max_model_len = self.model_config.max_model_len
         self.runner = PoolingRunner(self.model_config, platform.device())
         self.token_budget = max(args.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET,

@@ -32,23 +32,27 @@ def pooling_model_class(arch: str) -> type:
     raise ValueError(f"{arch} cannot run as a pooling model: its class has no pool_forward")
 
 
+def _decoder_base() -> type:
+    from ember.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
 class PoolingRunner:
     def __init__(self, model_config, device: torch.device) -> None:
-        from ember.models.loader import iter_safetensors, load_model, safetensors_files
+        from ember.models.loader.formats import load_weights
         from ember.models.pooling_decoders import CausalNoCacheBackend
 
-        if model_config.is_gguf:
-            raise ValueError("pooling models load from HF safetensors directories, not GGUF")
         self.device = device
         self.dtype = getattr(torch, model_config.dtype)
         cls = pooling_model_class(model_config.architecture)
+        if model_config.is_gguf and not issubclass(cls, _decoder_base()):
+            raise ValueError(f"{model_config.architecture} from a GGUF file cannot run as a "
+                             "pooling model: GGUF pooling covers the decoders (last-token "
+                             "embeddings)")
+        # The format's loader: safetensors (local or hub), GGUF (dequantized) or dummy.
+        self.model = load_weights(model_config, cls, CausalNoCacheBackend, self.dtype, device)
         hf = model_config.hf_config
-        if model_config.load_format == "dummy":
-            self.model = load_model(hf, cls, CausalNoCacheBackend, self.dtype, device, "dummy")
-        else:
-            weights = iter_safetensors(safetensors_files(model_config.path))
-            self.model = load_model(hf, cls, CausalNoCacheBackend, self.dtype, device,
-                                    weights=weights)
         self.pooler_config = PoolerConfig.from_checkpoint(model_config.path, hf,
                                                           self.model.default_pooling)
         from ember.registry import PoolerRegistry
