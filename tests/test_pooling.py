@@ -420,6 +420,8 @@ def test_engine_args_a_pooling_model_cannot_honour_are_refused():
     for kwargs, match in ((dict(quantization="int8"), "quantization='int8' is not supported"),
                           (dict(compile_model=True), "compile_model=True is not supported"),
                           (dict(attention_backend="sdpa"), "attention_backend='sdpa'"),
-                          (dict(enable_sleep_mode=True), "enable_sleep_mode=True")):
+                          (dict(enable_sleep_mode=True), "enable_sleep_mode=True"),
+                          (dict(distributed_executor_backend="mp"),
+                           "distributed_executor_backend='mp'")):
         with pytest.raises(ValueError, match=match):
             LLM(model=minilm_dir(), **kwargs)

@@ -53,6 +53,13 @@ _REFUSED = {
                           "pooling models use their own attention (SDPA over padded prompts)"),
     "enable_sleep_mode": ("enable_sleep_mode", lambda v: bool(v),
                           "the pooling engine core has no sleep mode"),
+    "tensor_parallel_size": ("tensor_parallel_size", lambda v: v not in (None, 1),
+                             "pooling models run on one device"),
+    "pipeline_parallel_size": ("pipeline_parallel_size", lambda v: v not in (None, 1),
+                               "pooling models run on one device"),
+    "distributed_executor_backend": ("distributed_executor_backend",
+                                     lambda v: v not in (None, "uni"),
+                                     "pooling models run in the engine core's process"),
 }
 
 
@@ -82,7 +89,8 @@ class PoolingEngineCore:
                              "for pooling models: they run float weights (GGUF files are "
                              "dequantized)")
         self.max_model_len = self.model_config.max_model_len
-        self.runner = PoolingRunner(self.model_config, platform.device())
+        self.runner = PoolingRunner(self.model_config, platform.device(),
+                                    progress=None if args.show_progress else False)
         self.token_budget = max(args.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET,
                                 self.max_model_len)
         self.max_num_seqs = args.max_num_seqs

@@ -39,7 +39,7 @@ def _decoder_base() -> type:
 
 
 class PoolingRunner:
-    def __init__(self, model_config, device: torch.device) -> None:
+    def __init__(self, model_config, device: torch.device, progress: bool | None = None) -> None:
         from ember.models.loader.formats import load_weights
         from ember.models.pooling_decoders import CausalNoCacheBackend
 
@@ -51,7 +51,8 @@ class PoolingRunner:
                              "pooling model: GGUF pooling covers the decoders (last-token "
                              "embeddings)")
         # The format's loader: safetensors (local or hub), GGUF (dequantized) or dummy.
-        self.model = load_weights(model_config, cls, CausalNoCacheBackend, self.dtype, device)
+        self.model = load_weights(model_config, cls, CausalNoCacheBackend, self.dtype, device,
+                                  progress)
         hf = model_config.hf_config
         self.pooler_config = PoolerConfig.from_checkpoint(model_config.path, hf,
                                                           self.model.default_pooling)
