@@ -296,3 +296,11 @@ def test_bench_bytes_add_up_to_the_model():
     embed = cfg.vocab_size * cfg.hidden_size * 2
     assert shape["dense_bytes"] + experts + embed + norms * 2 == total
     assert 60e9 < total < 62e9  # ~61 GB, as published
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_expected_weight_names_are_the_checkpoints(arch):
+    hf = make_moe_hf_model(arch)
+    with torch.device("meta"):
+        model = CLASSES[arch](hf.config, SdpaBackend, torch.float32)
+    assert model.expected_weight_names() == {n for n, _ in _hf_state(arch, hf)}

@@ -104,6 +104,27 @@ class MoeForCausalLM(LlamaForCausalLM):
             return ".".join([*parts[:-2], fused, parts[-1]]), shard
         return hf_name, None
 
+    def expected_weight_names(self) -> set[str]:
+        """Every HF name a per-expert checkpoint must provide."""
+        names = set()
+        by_shard = {shard: proj for proj, shard in self.expert_projections.items()}
+        for name, shards in self._required().items():
+            parts = name.split(".")
+            if parts[-1] in ("w13", "w2"):
+                prefix = ".".join(parts[:-1]).replace(".mlp.", f".{self.moe_block_name}.", 1)
+                names.update(f"{prefix}.{e}.{by_shard[s]}.weight" for e, s in shards)
+            elif shards:
+                fused = {v: k for k, v in _FUSED.items() if v[0] == parts[-2]}
+                names.update(".".join([*parts[:-2], fused[(parts[-2], s)], parts[-1]])
+                             for s in shards)
+            elif name.endswith(".mlp.gate.weight"):  # the router, under the block's name
+                names.add(name.replace(".mlp.", f".{self.moe_block_name}.", 1))
+            else:
+                names.add(name)
+        if self.tie_word_embeddings:
+            names.discard("lm_head.weight")
+        return names
+
     def _required(self) -> dict[str, set[Any]]:
         """Per parameter, the shards that fill it whole (an empty set: one unsharded tensor)."""
         required: dict[str, set[Any]] = {}
