@@ -71,7 +71,8 @@ def _hf_greedy(path: str, max_tokens: int) -> list[list[int]]:
 def test_greedy_equals_transformers_on_dequantized_weights(tiny, tmp_path, method, opts):
     write_quantized_checkpoint(tiny, str(tmp_path / "q"), method, str(tmp_path / "deq"), **opts)
     ref = _hf_greedy(str(tmp_path / "deq"), 10)
-    llm = LLM(str(tmp_path / "q"), skip_tokenizer_init=True, max_model_len=64)
+    # float32 everywhere: on CUDA the int4 kernels then run in float32 against the same HF run.
+    llm = LLM(str(tmp_path / "q"), skip_tokenizer_init=True, max_model_len=64, dtype="float32")
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0.0, max_tokens=10))
     model = llm.llm_engine.executor.runner.model
