@@ -112,6 +112,19 @@ def test_embedding_inputs_and_fields(minilm_server, st_reference):
     assert server.post("/v1/embeddings", input="x", priority=-1).status_code == 200
 
 
+def test_metrics_count_pooling_requests(minilm_server):
+    from server_utils import metric, parse_metrics
+
+    def scrape() -> tuple[float, float]:
+        values = parse_metrics(httpx.get(minilm_server.url + "/metrics").text)
+        return (metric(values, "ember:request_success_total", finished_reason="stop"),
+                metric(values, "ember:prompt_tokens_total"))
+
+    done, tokens = scrape()
+    body = minilm_server.post("/v1/embeddings", input=SENTENCES[:3]).json()
+    assert scrape() == (done + 3, tokens + body["usage"]["prompt_tokens"])
+
+
 def test_bad_input_is_a_clear_400(minilm_server):
     server = minilm_server
     err = _error(server.post("/v1/embeddings", input="word " * 1000))

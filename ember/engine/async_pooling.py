@@ -142,12 +142,12 @@ class AsyncPoolingMixin:
                 stats.finished.append(FinishedRequestStats(out.request_id, out.finish_reason,
                                                            now - arrival, n, 0))
                 by_loop.setdefault(loop, []).append((future, out.pooled, out.finish_reason))
+        self._log_stats(stats)  # type: ignore[attr-defined]  # before the callers see results
         for loop, batch in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_settle, batch)
             except RuntimeError:  # the caller's loop is closed: nobody waits
                 pass
-        self._log_stats(stats)  # type: ignore[attr-defined]
 
     def _fail_pooled(self, error: BaseException) -> None:
         with self._lock:  # type: ignore[attr-defined]
