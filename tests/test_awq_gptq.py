@@ -11,18 +11,24 @@ torch; the ``gpu`` cases run the Triton kernels (int4_gemv / int4_gemm) in the s
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from functools import partial
 
 import pytest
 import torch
-from model_factory import make_tiny_model
 
-from ember import LLM, SamplingParams
-from ember.quantization.awq import AWQQuantization
-from ember.quantization.gptq import GPTQQuantization
-from ember.testing import check_quantized_linear
-from ember.testing.quantized_checkpoints import (
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # for the kernel-path case below
+
+from model_factory import make_tiny_model  # noqa: E402
+
+from ember import LLM, SamplingParams  # noqa: E402
+from ember.quantization import int4_linear  # noqa: E402
+from ember.quantization.awq import AWQQuantization  # noqa: E402
+from ember.quantization.gptq import GPTQQuantization  # noqa: E402
+from ember.testing import check_quantized_linear  # noqa: E402
+from ember.testing.quantized_checkpoints import (  # noqa: E402
     awq_tensors,
     gptq_tensors,
     write_quantized_checkpoint,
@@ -43,6 +49,21 @@ SHAPES = (([64, 32], 128), ([96, 64], 256))  # (shard sizes, in): fused layers
 def test_linear_layers_equal_their_dequantized_weights(name, make, config):
     lines = check_quantized_linear(name, make, config=config, shapes=SHAPES)
     assert len(lines) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu case below covers CUDA")
+@pytest.mark.parametrize("name,make,config", [
+    ("awq", partial(awq_tensors, group_size=32), {"group_size": 32}),
+    ("gptq", partial(gptq_tensors, group_size=32, desc_act=True, seed=5),
+     {"group_size": 32, "desc_act": True}),
+], ids=["awq", "gptq-desc_act"])
+def test_layers_through_the_kernels_on_the_interpreter(name, make, config, monkeypatch):
+    """The CUDA dispatch (input permutation, int4_gemv up to 16 rows, int4_gemm above) with the
+    kernels run by the Triton interpreter."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(int4_linear, "_kernels_take", lambda x: True)
+    check_quantized_linear(name, make, config=config, shapes=(([32, 16], 64),),
+                           batch_sizes=(3, 20), dtypes=("float16",))
 
 
 @pytest.fixture(scope="module")
