@@ -20,6 +20,16 @@ CLASSES = {"gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM, "phi3": Phi
 ATOL = 1e-4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """One intra-op thread: on a small shared CPU, torch's thread pool spinning against other
+    processes makes these tiny matmuls up to 30x slower (float32 results are the same)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _pair(arch: str, tmp_path, max_model_len: int | None = None):
     hf = make_hf_model(arch)
     path = tmp_path / arch
