@@ -205,6 +205,12 @@ def test_bert_classifier_matches_transformers(tmp_path):
     assert torch.allclose(torch.tensor(raw[1].outputs.probs), want, atol=1e-5)
     with pytest.raises(ValueError, match="embedding model"):
         llm.embed(["a"], use_tqdm=False)
+    # encode takes the fields of the model's own kind
+    enc = llm.encode(SENTENCES[1:2], PoolingParams(use_activation=False), use_tqdm=False)
+    assert torch.allclose(enc[0].outputs.data, want, atol=1e-5)
+    with pytest.raises(ValueError, match="normalize cannot be used with task 'encode' on a "
+                                         "classifier"):
+        llm.encode(["a"], PoolingParams(normalize=False), use_tqdm=False)
     with pytest.raises(ValueError, match="one label"):
         llm.score("a", "b", use_tqdm=False)
     with pytest.raises(ValueError, match="cannot generate"):

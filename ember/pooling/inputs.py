@@ -38,14 +38,20 @@ def verify_params(params: PoolingParams, task: str, model_config,
     """A checked copy of `params` for `task` (with `truncate` as truncate_prompt_tokens)."""
     if not isinstance(params, PoolingParams):
         raise ValueError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
+    kind = model_kind(model_config)
+    if (task == "embed" and kind == "classify") or (task in ("classify", "score")
+                                                    and kind == "embed"):
+        what = "a classifier" if kind == "classify" else "an embedding model"
+        raise ValueError(f"task {task!r} does not apply to {model_config.architecture}, "
+                         f"{what}")
     hidden = int(getattr(model_config.hf_config, "hidden_size", 0)) or None
     dims = matryoshka(model_config)
-    checked = params.verify(task, hidden, dims)
+    checked = params.verify(task, hidden, dims, kind)
     if truncate is not None:
         if checked.truncate_prompt_tokens not in (None, truncate):
             raise ValueError("truncate_prompt_tokens given twice with different values")
         checked.truncate_prompt_tokens = truncate
-        checked.verify(task, None, dims)
+        checked.verify(task, None, dims, kind)
     return checked
 
 

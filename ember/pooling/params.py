@@ -35,8 +35,10 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, array_like=True):
         return msgspec.structs.replace(self)
 
     def verify(self, task: str, hidden_size: int | None = None,
-               matryoshka: bool | list[int] | None = None) -> PoolingParams:
-        """A copy for `task`, with every field this task cannot honour refused by name."""
+               matryoshka: bool | list[int] | None = None,
+               model_kind: str | None = None) -> PoolingParams:
+        """A copy for `task`, with every field this task cannot honour refused by name
+        ("encode" takes the fields of the model's own kind, "embed" or "classify", when given)."""
         if task not in TASKS:
             raise ValueError(f"unknown pooling task {task!r}; valid: {', '.join(TASKS)}")
         params = self.clone()
@@ -49,10 +51,14 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, array_like=True):
         params.task = task
         given = {f for f in ("dimensions", "normalize", "use_activation")
                  if getattr(params, f) is not None}
-        refused = sorted(given - _TASK_FIELDS[task])
+        allowed = _TASK_FIELDS[model_kind if task == "encode" and model_kind else task]
+        refused = sorted(given - allowed)
         if refused:
-            raise ValueError(f"{', '.join(refused)} cannot be used with task {task!r} "
-                             f"(it takes {', '.join(sorted(_TASK_FIELDS[task]))})")
+            on = ""
+            if task == "encode" and model_kind:
+                on = " on a classifier" if model_kind == "classify" else " on an embedding model"
+            raise ValueError(f"{', '.join(refused)} cannot be used with task {task!r}{on} "
+                             f"(it takes {', '.join(sorted(allowed))})")
         if params.dimensions is not None:
             if not isinstance(params.dimensions, int) or params.dimensions < 1:
                 raise ValueError(f"dimensions must be a positive integer, got {params.dimensions!r}")
