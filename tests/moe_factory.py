@@ -45,8 +45,9 @@ def make_moe_hf_model(arch: str, seed: int = 0, **overrides):
     # "eager": the loop over experts written in the modeling file, which ember's torch path
     # follows op for op (transformers 5 defaults to a grouped-mm path that rounds differently
     # in bf16).
-    model = transformers.AutoModelForCausalLM.from_config(
-        make_moe_config(arch, **overrides), dtype=torch.float32, experts_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(make_moe_config(arch, **overrides),
+                                                          dtype=torch.float32)
+    use_eager_experts(model)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -55,6 +56,12 @@ def make_moe_hf_model(arch: str, seed: int = 0, **overrides):
             elif name.endswith("gate.weight"):  # the router: distinct, spread-out choices
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
     return model.eval()
+
+
+def use_eager_experts(model) -> None:
+    """Run the model's eager experts loop. Its experts read the choice from the config at each
+    call (transformers 5.x); versions without the choice only have the loop."""
+    model.config._experts_implementation = "eager"
 
 
 def make_moe_model(arch: str, tmp_dir: str | Path, seed: int = 0, **overrides) -> Path:

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 from conftest import assert_all_blocks_free
-from moe_factory import MOE_ARCHS, make_moe_model
+from moe_factory import MOE_ARCHS, make_moe_model, use_eager_experts
 from reference import check_greedy_match, ember_top5, hf_greedy
 
 from ember import LLM, SamplingParams
@@ -24,8 +24,9 @@ MAX_NEW = 16
 def _hf(path, device="cpu"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, experts_implementation="eager").to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    use_eager_experts(model)
+    return model
 
 
 @pytest.fixture(scope="module", params=MOE_ARCHS)
