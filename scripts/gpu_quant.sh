@@ -2,8 +2,10 @@
 # Quantization on a CUDA machine (about 4-5 minutes): the GPU tests of the 4-bit, fp8 and fp8-KV
 # kernels and methods, the quantized linear kernels at Llama-3.1-8B's shapes, and Llama-3.1-8B
 # (dummy weights) with bf16, fp8 and AWQ side by side on nano-vllm's workload and at batch 1.
-# Usage: scripts/gpu_quant.sh [PART...]   parts: tests kernels engine (default: all three)
-# Results under $OUT: quant.log, quant_tests.xml, quant_kernels.json, quant_llama8b.json.
+# Usage: scripts/gpu_quant.sh [PART...]   parts: tests kernels engine attention
+# (default: tests kernels engine; attention = the attention kernels' own GPU tests, which gpu_suite's
+# tests part also runs). Results under $OUT: quant.log, quant_tests.xml, quant_kernels.json,
+# quant_llama8b.json.
 set -u
 LOG_NAME=quant.log
 source "$(dirname "$0")/gpu_common.sh"
@@ -13,14 +15,14 @@ for part in $PARTS; do
   case $part in
     # Every test of these files runs compiled on the GPU (the interpreter cases too; the AWQ /
     # GPTQ greedy-vs-HF tests then run the int4 kernels in float32); -s prints the logit errors
-    # the fp8 tests measure. Then the attention kernels' own GPU tests (they gained the fp8
-    # KV-cache path).
-    tests) stage quant_tests 200 python3 -m pytest -v -s -p no:cacheprovider -rfE \
+    # the fp8 tests measure.
+    tests) stage quant_tests 240 python3 -m pytest -v -s -p no:cacheprovider -rfE \
              --durations=10 tests/test_int4_kernels.py tests/test_awq_gptq.py tests/test_fp8.py \
              tests/test_fp8_kv_cache.py tests/test_kv_cache_dtype.py \
-             --junitxml="$OUT/quant_tests.xml"
-           stage attention_tests 120 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
-             tests/test_triton_attention.py --junitxml="$OUT/attention_tests.xml" ;;
+             --junitxml="$OUT/quant_tests.xml" ;;
+    # The attention kernels gained the fp8 KV-cache path: their own GPU tests.
+    attention) stage attention_tests 150 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
+                 tests/test_triton_attention.py --junitxml="$OUT/attention_tests.xml" ;;
     kernels) stage quant_kernels 90 python3 -m ember.bench.quant kernels --sweep \
                --out "$OUT/quant_kernels.json" ;;
     engine) stage quant_llama8b 200 python3 -m ember.bench.quant engine \
