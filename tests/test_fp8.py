@@ -153,6 +153,27 @@ def test_fp8_layers_within_their_bound(strategy):
     print("\n".join(lines))
 
 
+@pytest.mark.gpu
+def test_fp8_linear_against_the_bf16_linear():
+    """A bf16 projection quantized at load (Llama-8B's o_proj shape) against the bf16 layer it
+    came from: W8A16 at one row, W8A8 at 64; the errors are printed."""
+    from ember.layers.linear import Linear
+
+    torch.manual_seed(0)
+    w = (torch.randn(4096, 4096, device="cuda") / 64).bfloat16()
+    layer = Linear(4096, 4096, bias=False, dtype=torch.bfloat16, device="cuda",
+                   quant_method=Fp8LinearMethod(serialized=False))
+    layer.weight.data.copy_(w)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight.dtype == FP8
+    for rows in (1, 64):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        want = torch.nn.functional.linear(x, w).float()
+        err = ((layer(x).float() - want).abs().max() / want.abs().max()).item()
+        print(f"fp8 vs bf16 linear, {rows} rows: max error {err:.4f} of the largest output")
+        assert err < 0.1
+
+
 def _logits(llm: LLM) -> tuple[list[list[float]], list[list[int]]]:
     params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
