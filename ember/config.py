@@ -266,6 +266,20 @@ def resolve_tokenizer_path(args: EngineArgs, hub: Any, progress: bool | None) ->
     return hub_mod.fetch_tokenizer(name, revision, args.download_dir, progress)
 
 
+def text_only_config(hf_config: PretrainedConfig, arch: str) -> PretrainedConfig:
+    """The text config of a multimodal checkpoint whose architecture runs as text only (its
+    registry entry declares "text_config"), carrying what ember reads from the top level."""
+    text = hf_config.get_text_config()
+    if text is hf_config:
+        return hf_config
+    text.architectures = [arch]
+    for key in ("dtype", "quantization_config", "tie_word_embeddings"):
+        value = getattr(hf_config, key, None)
+        if value is not None:
+            setattr(text, key, value)
+    return text
+
+
 def load_hf_config(path: str, trust_remote_code: bool = False) -> tuple[PretrainedConfig, bool]:
     """The HF config of a directory (config.json) or a GGUF file (its metadata)."""
     if path.endswith(".gguf"):
@@ -368,6 +382,8 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
     hf_config = apply_hf_overrides(hf_config, args.hf_overrides)
     # By name only: the worker imports the class (ModelRegistry.resolve_model_cls) when it builds.
     arch = ModelRegistry.resolve_architecture(getattr(hf_config, "architectures", None) or [])
+    if ModelRegistry.entry(arch).capabilities.get("text_config"):
+        hf_config = text_only_config(hf_config, arch)
     if args.load_format == "gguf" and not is_gguf:
         raise ValueError(f"load_format='gguf' but {path!r} is not a .gguf file")
     check_quantization(args.quantization, hf_config, path, is_gguf)

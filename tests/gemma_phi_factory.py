@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("gemma2", "gemma3", "phi3", "phi3_longrope")
+ARCHS = ("gemma2", "gemma3", "gemma3_mm", "phi3", "phi3_longrope")
 LONGROPE_ORIGINAL = 32
 
 _COMMON = dict(
@@ -27,6 +27,16 @@ _COMMON = dict(
 def make_config(arch: str, **overrides):
     import transformers
 
+    if arch == "gemma3_mm":  # Gemma3ForConditionalGeneration: gemma3's text + a tiny vision tower
+        text = make_config("gemma3", **overrides).to_dict()
+        config = transformers.Gemma3Config(
+            text_config=text, mm_tokens_per_image=4, image_token_index=300, boi_token_index=301,
+            eoi_token_index=302, vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, image_size=32, patch_size=8))
+        config._attn_implementation = "eager"
+        config.get_text_config()._attn_implementation = "eager"
+        return config
     kw = dict(_COMMON)
     if arch == "gemma2":
         kw.update(sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
@@ -62,7 +72,10 @@ def make_hf_model(arch: str, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     config = make_config(arch, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "gemma3_mm":
+        model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

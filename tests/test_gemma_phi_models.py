@@ -11,12 +11,12 @@ from model_factory import Chunk, PagedCache
 
 from ember.attention_backends.sdpa import SdpaBackend
 from ember.models.gemma2 import Gemma2ForCausalLM
-from ember.models.gemma3 import Gemma3ForCausalLM
+from ember.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from ember.models.loader import load_config, load_model
 from ember.models.phi3 import Phi3ForCausalLM
 
 CLASSES = {"gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM, "phi3": Phi3ForCausalLM,
-           "phi3_longrope": Phi3ForCausalLM}
+           "phi3_longrope": Phi3ForCausalLM, "gemma3_mm": Gemma3ForConditionalGeneration}
 ATOL = 1e-4
 
 
@@ -35,6 +35,10 @@ def _pair(arch: str, tmp_path, max_model_len: int | None = None):
     path = tmp_path / arch
     hf.save_pretrained(path, safe_serialization=True)
     config = load_config(path)
+    if arch == "gemma3_mm":  # what ember.config does for a "text_config" architecture
+        from ember.config import text_only_config
+
+        config = text_only_config(config, "Gemma3ForConditionalGeneration")
     if max_model_len is not None:
         config.ember_max_model_len = max_model_len  # what ember.config sets in the engine
     model = load_model(config, CLASSES[arch], SdpaBackend, torch.float32,
@@ -76,12 +80,13 @@ class _Runner:
             row += n
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "gemma3_mm", "phi3"])
 def test_prefill_decode_and_chunks_match_hf(arch, tmp_path):
     hf, ours = _pair(arch, tmp_path)
     if arch.startswith("gemma"):  # alternating local (8-token window) and global layers
         assert ours.sliding_windows == [8, None, 8, None]
-    seqs = _prompts([16, 8, 21], hf.config.vocab_size)
+    # Below 300: ids 300-302 are the multimodal checkpoint's image tokens.
+    seqs = _prompts([16, 8, 21], 300)
     run = _Runner(hf, ours, seqs)
     run.step({0: 11, 1: 5, 2: 6})  # request 2's prompt is split across two steps
     run.step({0: 1, 1: 1, 2: 15})
@@ -133,7 +138,8 @@ def test_gemma_refusals(tmp_path):
         Gemma3ForCausalLM(yarn, SdpaBackend)
 
 
-NAMES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+NAMES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+         "Phi3ForCausalLM")
 
 
 def test_archs_are_built_in_and_listed(capsys):
@@ -149,11 +155,29 @@ def test_archs_are_built_in_and_listed(capsys):
         assert name in out
 
 
-def test_unknown_architectures_get_the_list_and_gemma3_vision_a_hint():
+def test_unknown_architectures_get_the_list():
     from ember.registry import ModelRegistry
 
     with pytest.raises(ValueError, match="known architectures: .*Gemma2ForCausalLM") as info:
         ModelRegistry.resolve_architecture(["FrobnicatorForCausalLM"])
     assert all(name in str(info.value) for name in NAMES)
-    with pytest.raises(ValueError, match="vision tower.*text-only.*Phi3ForCausalLM"):
-        ModelRegistry.resolve_architecture(["Gemma3ForConditionalGeneration"])
+
+
+def test_gemma3_multimodal_checkpoint_runs_as_text(tmp_path):
+    """LLM on a Gemma3ForConditionalGeneration checkpoint: its text config, its language
+    model's weights (the vision tower's skipped), greedy tokens equal to HF's multimodal model
+    on text prompts."""
+    from reference import hf_greedy
+
+    from ember import LLM, SamplingParams
+
+    hf = make_hf_model("gemma3_mm")
+    hf.save_pretrained(tmp_path / "mm", safe_serialization=True)
+    prompts = _prompts([3, 12, 30], 300, seed=5)
+    refs = [hf_greedy(hf, p, 8, {hf.config.get_text_config().eos_token_id}) for p in prompts]
+    llm = LLM(str(tmp_path / "mm"), skip_tokenizer_init=True, max_model_len=64)
+    assert llm.llm_engine.model_config.architecture == "Gemma3ForConditionalGeneration"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8))
+    assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in refs]
+    llm.shutdown()

@@ -45,9 +45,8 @@ class ModelRegistryType(LazyRegistry[type]):
         archs = [architectures] if isinstance(architectures, str) else list(architectures)
         arch = next((a for a in archs if a in self), None)
         if arch is None:
-            hints = "".join(f" ({_UNSUPPORTED_HINTS[a]})" for a in archs if a in _UNSUPPORTED_HINTS)
             raise ValueError(
-                f"model architecture {archs or '(none given in config)'} is not supported{hints}; "
+                f"model architecture {archs or '(none given in config)'} is not supported; "
                 f"known architectures: {', '.join(self.get_supported_archs())}"
             )
         return arch
@@ -56,13 +55,6 @@ class ModelRegistryType(LazyRegistry[type]):
         """The first registered architecture of ``architectures``, and its class."""
         arch = self.resolve_architecture(architectures)
         return self.resolve(arch), arch
-
-
-# Why a well-known architecture is refused, when a close one is built in.
-_UNSUPPORTED_HINTS = {
-    "Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower: ember runs the text-only "
-    "Gemma3ForCausalLM checkpoints (gemma-3-1b, or a text-only export of a larger one)",
-}
 
 
 class AttentionBackendRegistryType(LazyRegistry[type]):
@@ -349,6 +341,10 @@ _BUILTIN_GRAMMAR_BACKENDS = {
 
 for _name, _target in _BUILTIN_MODELS.items():
     ModelRegistry.register(_name, _target, owner="ember")
+# Multimodal checkpoints run as text only: ember.config builds them from config.text_config.
+ModelRegistry.register("Gemma3ForConditionalGeneration",
+                       "ember.models.gemma3:Gemma3ForConditionalGeneration", owner="ember",
+                       capabilities={"text_config": True})
 for _name, _target in _BUILTIN_POOLING_MODELS.items():
     ModelRegistry.register(_name, _target, owner="ember", capabilities={"runner": "pooling"})
 for _name, _target in _BUILTIN_POOLERS.items():
