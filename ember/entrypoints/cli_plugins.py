@@ -76,11 +76,15 @@ def _caps_text(kind: str, caps: dict[str, Any]) -> str:
             ",".join(map(str, caps["head_sizes"]))
         extra = [f for f in ("sliding_window", "cuda_graphs") if caps.get(f)]
         dtypes = "/".join(d.replace("float", "f") for d in caps["dtypes"])
+        kv = [d for d in caps.get("kv_cache_dtypes", ["auto"]) if d != "auto"]
         return (f"{'/'.join(caps['devices'])} {dtypes} heads={heads} prio={caps['priority']}"
-                + (f" +{'+'.join(extra)}" if extra else ""))
+                + (f" +{'+'.join(extra)}" if extra else "")
+                + (f" kv={','.join(kv)}" if kv else ""))
     if kind == "quantization_methods" and "platforms" in caps:
         dtypes = "/".join(d.replace("float", "f") for d in caps["dtypes"])
         reads = ",".join(caps["checkpoint_formats"]) or "float weights (quantized at load)"
+        if caps["checkpoint_formats"] and caps.get("quantizes_float"):
+            reads += " or float weights"
         return f"{'/'.join(caps['platforms'])} {dtypes} {'/'.join(caps['layer_kinds'])} reads={reads}"
     return " ".join(f"{k}={v}" for k, v in caps.items() if k != "probe")
 
