@@ -121,6 +121,8 @@ def test_fp8_layers_on_the_cpu_kernel_path():
         "num_bits": 4, "type": "int", "strategy": "group"}}}}, "scheme int4"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
         "num_bits": 8, "type": "float", "strategy": "block"}}}}, "'block' fp8 scales"),
+    ({**quantization_config("fp8"), "sparsity_config": {"format": "sparse-24-bitmask"}},
+     "sparse format 'sparse-24-bitmask'"),
 ])
 def test_unsupported_fp8_configs_are_refused_by_name(config, match):
     with pytest.raises(ValueError, match=match):

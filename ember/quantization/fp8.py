@@ -175,6 +175,10 @@ def _compressed_tensors_scheme(qc: dict[str, Any]) -> tuple[bool, list[str]]:
     if qc.get("kv_cache_scheme"):
         raise ValueError("compressed-tensors kv_cache_scheme (calibrated KV-cache scales) is not "
                          "supported; use kv_cache_dtype='fp8' (per-tensor scale 1.0)")
+    sparsity = qc.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":
+        raise ValueError(f"holds compressed-tensors-quantized weights in the sparse format "
+                         f"{sparsity.get('format')!r}; ember reads dense ones")
     groups = qc.get("config_groups") or {}
     if not groups:
         raise ValueError("holds compressed-tensors-quantized weights without config_groups")
