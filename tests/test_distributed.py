@@ -5,8 +5,8 @@ worker killed with SIGKILL makes the engine raise within 10 s and leaves no proc
 Each engine start spawns one process per rank (about 20-40 s on a loaded 2-core machine), so the
 default run covers the grid with five engines: Llama TP=2 (mp, then the kill), Qwen3 with q/k norm
 and one KV head (more ranks than KV heads) at TP=2 x PP=2 (mp), Llama PP=2 behind the server (mp,
-then a kill under a streaming request), Qwen3 one-KV-head TP=2 (ray) and Llama PP=2 behind the
-server (ray). EMBER_TEST_DIST_GRID=1 adds every (model, layout, executor) left out.
+then a kill under a streaming request), Qwen3 one-KV-head TP=2 (ray, then the kill) and Llama PP=2
+behind the server (ray). EMBER_TEST_DIST_GRID=1 adds every (model, layout, executor) left out.
 """
 
 from __future__ import annotations
@@ -325,7 +325,31 @@ def ray_cluster():
 
 @pytest.mark.slow
 def test_ray_tp2_qwen3_more_ranks_than_kv_heads(models, ray_cluster):
-    _check_layout(models, "qwen3_one_kv_head", "tp2", "ray")
+    """Greedy tokens equal one process's; then SIGKILL of rank 1's actor: the next step raises
+    within 10 s naming the rank, and both actors are gone."""
+    from ember.executor.distributed_base import WorkerDiedError
+
+    path, ref = models["qwen3_one_kv_head"]
+    llm = LLM(model=path, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+    engine = llm.llm_engine
+    pids = engine.executor.worker_pids
+    try:
+        assert _generate(llm) == ref
+        engine.add_request("long", TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                           SamplingParams(max_tokens=80, ignore_eos=True))
+        engine.step()
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rank 1 died"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 10
+    finally:
+        llm.shutdown()
+    deadline = time.monotonic() + 10
+    while _alive(pids) and time.monotonic() < deadline:  # ray.kill is asynchronous
+        time.sleep(0.1)
+    assert _alive(pids) == []
 
 
 @pytest.mark.slow

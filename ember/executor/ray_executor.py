@@ -113,18 +113,29 @@ class RayExecutor(DistributedExecutorBase):
         remaining = list(refs)
         while remaining:
             done, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=POLL_SECONDS)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except Exception as exc:
-                    rank = refs.index(ref)
-                    cause = getattr(exc, "cause", None) or exc
-                    text = f"{type(cause).__name__}: {cause}"
-                    if isinstance(exc, ray.exceptions.RayActorError):
-                        text = f"the actor died ({type(exc).__name__})"
-                    self._fail(f"rank {rank} failed: {text}",
-                               value_error=startup and isinstance(cause, ValueError))
+            failed = [(ref, exc) for ref in done if (exc := self._error(ref)) is not None]
+            if not failed:
+                continue
+            # A rank whose peer died fails in its collective: wait a moment for the dead one,
+            # so the error names it.
+            late, _ = ray.wait(remaining, num_returns=len(remaining), timeout=1.0)
+            failed += [(ref, exc) for ref in late if (exc := self._error(ref)) is not None]
+            died = [(r, e) for r, e in failed if isinstance(e, ray.exceptions.RayActorError)]
+            ref, exc = (died or failed)[0]
+            rank = refs.index(ref)
+            if died:
+                self._fail(f"rank {rank} died (its Ray actor ended: {type(exc).__name__})")
+            cause = getattr(exc, "cause", None) or exc
+            self._fail(f"rank {rank} failed: {type(cause).__name__}: {cause}",
+                       value_error=startup and isinstance(cause, ValueError))
         return ray.get(refs)
+
+    def _error(self, ref) -> Exception | None:
+        try:
+            self._ray.get(ref)
+        except Exception as exc:
+            return exc
+        return None
 
     def _send_step(self, seq: int, plan: SchedulerOutput) -> None:
         ref = self._ray.put(plan)
