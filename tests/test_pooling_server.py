@@ -306,3 +306,30 @@ def test_serve_pooling_model_two_api_servers_and_clean_exit(tmp_path, st_referen
     finally:
         serve.stop_and_check_no_orphans()
     assert serve.proc.returncode == 0
+
+
+def test_classifier_with_three_labels(tmp_path):
+    import json
+
+    hf, tok, path = _tiny_bert(tmp_path, num_labels=3)
+    config_path = f"{path}/config.json"
+    with open(config_path) as f:
+        config = json.load(f)
+    config["id2label"] = {"0": "negative", "1": "neutral", "2": "positive"}
+    config["label2id"] = {v: int(k) for k, v in config["id2label"].items()}
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    server = PoolingServer(path)
+    try:
+        got = server.post("/classify", input=SENTENCES[:4]).json()
+        for text, item in zip(SENTENCES[:4], got["data"]):
+            want = _logits(hf, tok, text).softmax(-1)
+            assert item["probs"] == pytest.approx(want.tolist(), abs=1e-5)
+            assert item["num_classes"] == 3
+            assert item["label"] == config["id2label"][str(int(want.argmax()))]
+        for path_, body in (("/score", {"text_1": "a", "text_2": "b"}),
+                            ("/rerank", {"query": "a", "documents": ["b"]})):
+            err = _error(server.post(path_, **body))
+            assert "3 labels" in err["message"] and err["code"] == "model_not_supported"
+    finally:
+        server.stop()
