@@ -20,32 +20,9 @@ import torch
 
 from ember.layers.linear import Linear, LinearMethod
 from ember.quantization.base import QuantizationMethod
+from ember.quantization.checkpoint_config import first_of, module_skipped, quantization_config_dict
 from ember.quantization.int4_common import PACK, check_int4_shapes
 from ember.quantization.int4_linear import Int4LinearMethod, int_param, scales_dtype
-
-
-def quantization_config_dict(hf_config: Any) -> dict[str, Any]:
-    """The checkpoint's quantization_config as a plain dict ({} when there is none)."""
-    qc = getattr(hf_config, "quantization_config", None)
-    if qc is None:
-        return {}
-    if not isinstance(qc, dict):
-        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
-    return dict(qc)
-
-
-def _first(qc: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if qc.get(key) is not None:
-            return qc[key]
-    return default
-
-
-def skipped(prefix: str, modules: list[str] | None) -> bool:
-    """Whether a layer named ``prefix`` is one of the checkpoint's unquantized modules (matched
-    as a whole dotted component path, as AutoAWQ and GPTQ name them)."""
-    parts = f".{prefix}."
-    return any(f".{m.strip('.')}." in parts for m in modules or [])
 
 
 class AWQLinearMethod(Int4LinearMethod):
@@ -82,24 +59,24 @@ class AWQQuantization(QuantizationMethod):
 
     @classmethod
     def from_config(cls, qc: dict[str, Any]) -> AWQQuantization:
-        bits = _first(qc, "bits", "w_bit", default=4)
+        bits = first_of(qc, "bits", "w_bit", default=4)
         if bits != 4:
             raise ValueError(f"AWQ with bits={bits} is not supported (ember reads 4-bit AWQ)")
-        if _first(qc, "zero_point", default=True) is not True:
+        if first_of(qc, "zero_point", default=True) is not True:
             raise ValueError("AWQ with zero_point=false is not supported (ember reads AWQ with "
                              "zero points)")
-        version = str(_first(qc, "version", default="gemm")).lower()
+        version = str(first_of(qc, "version", default="gemm")).lower()
         if version != "gemm":
             raise ValueError(f"AWQ version {version!r} is not supported (ember reads the 'gemm' "
                              "layout)")
-        group = int(_first(qc, "group_size", "q_group_size", default=128))
-        return cls(group, _first(qc, "modules_to_not_convert", default=None))
+        group = int(first_of(qc, "group_size", "q_group_size", default=128))
+        return cls(group, first_of(qc, "modules_to_not_convert", default=None))
 
     @classmethod
     def from_checkpoint(cls, path: str, hf_config: Any) -> AWQQuantization:
         return cls.from_config(quantization_config_dict(hf_config))
 
     def get_linear_method(self, layer: Linear, prefix: str) -> LinearMethod | None:
-        if skipped(prefix, self.modules_to_not_convert):
+        if module_skipped(prefix, self.modules_to_not_convert):
             return None
         return AWQLinearMethod(self.group_size)

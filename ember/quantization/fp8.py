@@ -40,8 +40,8 @@ from ember.layers.linear import (
     small_batch_max_rows,
     tp_slice,
 )
-from ember.quantization.awq import quantization_config_dict, skipped
 from ember.quantization.base import QuantizationMethod
+from ember.quantization.checkpoint_config import module_skipped, quantization_config_dict
 from ember.quantization.int4_linear import replace_weight
 
 FP8 = torch.float8_e4m3fn
@@ -255,7 +255,7 @@ class Fp8Quantization(QuantizationMethod):
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], prefix):
                     return True
-            elif skipped(prefix, [pattern]):
+            elif module_skipped(prefix, [pattern]):
                 return True
         return False
 

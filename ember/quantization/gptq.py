@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 import torch
 
 from ember.layers.linear import Linear, LinearMethod, param_owner
-from ember.quantization.awq import _first, quantization_config_dict, skipped
 from ember.quantization.base import QuantizationMethod
+from ember.quantization.checkpoint_config import first_of, module_skipped, quantization_config_dict
 from ember.quantization.int4_common import PACK, check_int4_shapes, gptq_to_awq
 from ember.quantization.int4_linear import (
     Int4LinearMethod,
@@ -112,10 +112,10 @@ class GPTQQuantization(QuantizationMethod):
 
     @classmethod
     def from_config(cls, qc: dict[str, Any]) -> GPTQQuantization:
-        bits = _first(qc, "bits", "w_bit", default=4)
+        bits = first_of(qc, "bits", "w_bit", default=4)
         if bits != 4:
             raise ValueError(f"GPTQ with bits={bits} is not supported (ember reads 4-bit GPTQ)")
-        fmt = str(_first(qc, "checkpoint_format", "format", default="gptq")).lower()
+        fmt = str(first_of(qc, "checkpoint_format", "format", default="gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (ember reads "
                              "'gptq' and 'gptq_v2')")
@@ -123,15 +123,15 @@ class GPTQQuantization(QuantizationMethod):
             raise ValueError("GPTQ with a quantized lm_head (lm_head=true) is not supported")
         if qc.get("dynamic"):
             raise ValueError("GPTQ with per-module 'dynamic' overrides is not supported")
-        group = int(_first(qc, "group_size", default=128))
+        group = int(first_of(qc, "group_size", default=128))
         return cls(group, bool(qc.get("desc_act", False)), bool(qc.get("sym", True)), fmt,
-                   _first(qc, "modules_to_not_convert", default=None))
+                   first_of(qc, "modules_to_not_convert", default=None))
 
     @classmethod
     def from_checkpoint(cls, path: str, hf_config: Any) -> GPTQQuantization:
         return cls.from_config(quantization_config_dict(hf_config))
 
     def get_linear_method(self, layer: Linear, prefix: str) -> LinearMethod | None:
-        if skipped(prefix, self.modules_to_not_convert):
+        if module_skipped(prefix, self.modules_to_not_convert):
             return None
         return GPTQLinearMethod(self.group_size, self.zero_offset, self.desc_act)
