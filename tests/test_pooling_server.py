@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import signal
 import time
 
 import httpx
@@ -331,5 +333,13 @@ def test_classifier_with_three_labels(tmp_path):
                             ("/rerank", {"query": "a", "documents": ["b"]})):
             err = _error(server.post(path_, **body))
             assert "3 labels" in err["message"] and err["code"] == "model_not_supported"
+        # A dead engine core: pooling requests are 503s, not hangs
+        os.kill(server.engine.client.address.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        err = _error(server.post("/classify", input="x"), 503)
+        assert "engine core" in err["message"]
     finally:
         server.stop()
