@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Any
 
@@ -139,7 +140,7 @@ def kernel_sweep(cfg: Any, model_cls: type, ns) -> list[dict]:
                      "default_fraction": nbytes / (results[str(default)] * 1e-6) / ns.bandwidth,
                      "best_us": results[best], "best": best,
                      "best_fraction": nbytes / (results[best] * 1e-6) / ns.bandwidth})
-        print(json.dumps(rows[-1]), flush=True)
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress; stdout: one line
     return rows
 
 
