@@ -80,3 +80,14 @@ def server_dev_mode() -> bool:
     """EMBER_SERVER_DEV_MODE=1: `ember serve` adds /reset_prefix_cache, /sleep, /wake_up and
     /is_sleeping (vLLM's VLLM_SERVER_DEV_MODE): engine control for operators, not clients."""
     return _flag("EMBER_SERVER_DEV_MODE")
+
+
+def grammar_threads() -> int | None:
+    """EMBER_GRAMMAR_THREADS: threads that fill a step's structured-output bitmasks (default:
+    the cores less one, at most 8)."""
+    value = _str("EMBER_GRAMMAR_THREADS")
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"EMBER_GRAMMAR_THREADS must be a positive integer, got {value!r}")
+    return int(value)
