@@ -138,13 +138,13 @@ class EngineArgs:
                              f"{self.kv_cache_dtype!r}"
                              + (" (fp8_e5m2 is not supported)" if "e5m2" in self.kv_cache_dtype
                                 else ""))
-        if self.quantization not in (None, "gguf"):
+        if self.quantization not in (None, "gguf", "none"):
             from ember.registry import QuantizationRegistry
 
             if self.quantization not in QuantizationRegistry:
                 raise ValueError(
-                    f"unknown quantization method {self.quantization!r}; known: gguf (GGUF "
-                    f"weights, dequantized at load), {', '.join(QuantizationRegistry.names())}"
+                    f"unknown quantization method {self.quantization!r}; known: "
+                    f"{', '.join(QuantizationRegistry.names())}, none (float weights)"
                 )
 
 
@@ -185,7 +185,7 @@ class ModelConfig:
     load_format: str
     is_gguf: bool
     tokenizer: str | None
-    quantization: str | None = None  # a QuantizationRegistry name applied after loading
+    quantization: str | None = None  # the QuantizationRegistry name in use (None: float)
     # SamplingParams values the model asks for (EngineArgs.generation_config); empty: none.
     default_sampling: dict[str, Any] = field(default_factory=dict)
     max_logprobs: int = 20  # EngineArgs.max_logprobs
@@ -354,21 +354,13 @@ def apply_hf_overrides(hf_config: PretrainedConfig, overrides: Any) -> Pretraine
 
 
 def check_quantization(requested: str | None, hf_config: PretrainedConfig, path: str,
-                       is_gguf: bool) -> None:
-    """Refuse what would load wrong weights: quantization="gguf" without a GGUF file, and any
-    checkpoint whose config declares pre-quantized weights (quantization_config), which ember
-    cannot load yet; reading them as floats would give garbage or a shape error."""
-    if requested == "gguf" and not is_gguf:
-        raise ValueError(f"quantization='gguf' needs a .gguf file, but {path!r} is an HF "
-                         "directory; leave quantization unset for its float weights")
-    qc = getattr(hf_config, "quantization_config", None)
-    if qc:
-        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-        method = getattr(method, "value", method) or "unknown"
-        raise ValueError(f"{path!r} holds {method}-quantized weights (its config's "
-                         f"quantization_config); ember cannot load {method} checkpoints: use the "
-                         "float checkpoint (with quantization='int8' to quantize it at load) or a "
-                         ".gguf file")
+                       is_gguf: bool) -> str | None:
+    """The quantization method to use (a QuantizationRegistry name, None: float weights), from
+    `quantization=` and the checkpoint's own metadata; ValueError on any mismatch
+    (ember.quantization.base.resolve_quantization), never a silent float load."""
+    from ember.quantization.base import resolve_quantization
+
+    return resolve_quantization(requested, hf_config, path, is_gguf)
 
 
 def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
@@ -386,7 +378,7 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
         hf_config = text_only_config(hf_config, arch)
     if args.load_format == "gguf" and not is_gguf:
         raise ValueError(f"load_format='gguf' but {path!r} is not a .gguf file")
-    check_quantization(args.quantization, hf_config, path, is_gguf)
+    quantization = check_quantization(args.quantization, hf_config, path, is_gguf)
     from ember.pooling.config import resolve_runner, st_max_seq_length
 
     runner = resolve_runner(args.runner, arch, args.convert, args.task)
@@ -412,8 +404,7 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
         load_format=args.load_format,
         is_gguf=is_gguf,
         tokenizer=resolve_tokenizer_path(args, hub, progress),
-        # "gguf" means the file's own quantization, already dequantized by the loader.
-        quantization=None if args.quantization == "gguf" else args.quantization,
+        quantization=quantization,
         max_logprobs=args.max_logprobs,
         structured_outputs=_structured_outputs_config(args),
         default_sampling=_default_sampling(args, path),
