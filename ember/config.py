@@ -382,6 +382,8 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
     from ember.pooling.config import resolve_runner, st_max_seq_length
 
     runner = resolve_runner(args.runner, arch, args.convert, args.task)
+    if runner == "pooling" and quantization == "gguf" and args.quantization is None:
+        quantization = None  # pooling models run float weights: the GGUF is dequantized
     if runner == "pooling" and args.kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r}: pooling models keep no KV "
                          "cache")

@@ -1,7 +1,7 @@
 """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) end to end.
 
-Greedy ids must equal HF transformers loading the same GGUF (float32, CPU) on 8 chat prompts x 64
-new tokens; logprobs must equal the reference log_softmax; the public API behaves like vLLM's.
+Greedy ids of the dequantized model (quantization="none") must equal HF transformers loading the
+same GGUF (float32, CPU) on 8 chat prompts x 64 new tokens; logprobs must equal the reference log_softmax; the public API behaves like vLLM's.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ MAX_NEW = 64
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM()
+    # The float model (its GGUF dequantized at load), compared exactly with HF's float32; the
+    # default, kept-quantized model is compared with it in test_gguf_quant.py.
+    return LLM(quantization="none")
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ metadata; any mismatch is a ValueError, never a silent float load.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -69,6 +70,10 @@ class QuantizationMethod:
         """The LinearMethod for a layer as it is built (None: this method quantizes after
         loading, or leaves the layer in float)."""
         return None
+
+    def loading_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered while the checkpoint is read (e.g. GGUF: keep the raw blocks)."""
+        return contextlib.nullcontext()
 
     def process_model_after_loading(self, model: nn.Module) -> None:
         """Model-wide work once every tensor is loaded (e.g. a quantized logits head)."""
@@ -181,8 +186,6 @@ def resolve_quantization(requested: str | None, hf_config: Any, path: str,
     if requested == "gguf" and not is_gguf:
         raise ValueError(f"quantization='gguf' needs a .gguf file, but {path!r} is an HF "
                          "directory; leave quantization unset for its float weights")
-    if fmt == "gguf" and requested in (None, "gguf") and not _methods_reading("gguf"):
-        return None  # no gguf method registered: the GGUF loader dequantizes to float
     if requested == NO_QUANTIZATION:
         if fmt is not None and fmt != "gguf":
             raise ValueError(f"quantization='none': {path!r} holds {fmt}-quantized weights, "
@@ -240,7 +243,11 @@ def building_with(method: QuantizationMethod | None):  # type: ignore[no-untyped
     from ember.layers.linear import linear_method_provider
 
     active = method if method is not None and method.loads_quantized else None
-    return linear_method_provider(linear_method_provider_for(active))
+    stack = contextlib.ExitStack()
+    stack.enter_context(linear_method_provider(linear_method_provider_for(active)))
+    if active is not None:
+        stack.enter_context(active.loading_context())
+    return stack
 
 
 def finish_loading(model: nn.Module, method: QuantizationMethod | None) -> tuple[int, int]:

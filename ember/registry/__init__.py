@@ -302,6 +302,8 @@ _BUILTIN_BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 _BUILTIN_QUANTIZATION: dict[str, tuple[str, dict[str, Any]]] = {
     "int8": ("ember.quantization.int8:Int8WeightOnly", {}),
+    "gguf": ("ember.quantization.gguf:GGUFQuantization",
+             {"checkpoint_formats": ["gguf"], "quantizes_float": False}),
     # 4-bit checkpoints: Triton kernels on CUDA, torch (dequantize per call) on the CPU.
     "awq": ("ember.quantization.awq:AWQQuantization",
             {"platforms": ["cpu", "cuda"], "checkpoint_formats": ["awq"],

@@ -1,5 +1,7 @@
 """GGUF checkpoints: parse the header, build the HF config from its metadata, and yield its tensors
-dequantized to float32 in HF layout, one at a time.
+in HF layout, one at a time: dequantized to float32, or (inside ``keep_quantized()``, which the
+``gguf`` quantization method opens while the model loads) the quantized weights of the decoder's
+linear layers as their raw blocks (uint8 [rows, row bytes], tagged with ``gguf_qtype``).
 
 The header parser is ours rather than ``gguf.GGUFReader`` because that reader builds a numpy view
 per token string (~5-10 s for a 49k-token vocabulary here, against ~0.2 s for this one) and fails on
@@ -10,10 +12,12 @@ transformers produces from the same file.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import mmap
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -323,6 +327,32 @@ def _unpermute_rope(w: np.ndarray, n_head: int, path: str, name: str) -> np.ndar
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# HF names of the decoder's linear weights: the ones the gguf method keeps quantized.
+_LINEAR_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+_FLOAT_QTYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+_KEEP_QUANTIZED: list[bool] = []
+
+
+@contextlib.contextmanager
+def keep_quantized() -> Iterator[None]:
+    """Within the block, ``iter_gguf_weights`` yields quantized linear weights as raw blocks."""
+    _KEEP_QUANTIZED.append(True)
+    try:
+        yield
+    finally:
+        _KEEP_QUANTIZED.pop()
+
+
+def _raw_blocks(path: str, f: Any, info: GGUFTensorInfo) -> np.ndarray:
+    """uint8 [rows, row bytes]: the tensor's blocks as stored (rows stay whole blocks)."""
+    f.seek(info.offset)
+    raw = f.read(info.nbytes)
+    if len(raw) != info.nbytes:  # the file shrank since the header was validated
+        raise _corrupt_error(path, f"tensor {info.name!r} is cut short")
+    rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
+    return np.frombuffer(raw, dtype=np.uint8).reshape(rows, -1)
+
+
 def _dequantize(path: str, f: Any, info: GGUFTensorInfo) -> np.ndarray:
     from gguf.quants import dequantize, quant_shape_to_byte_shape
 
@@ -379,11 +409,19 @@ def iter_gguf_weights(
                 continue
             if skip is not None and skip(hf_name):
                 continue
-            w = _dequantize(path, f, info)
+            raw = (bool(_KEEP_QUANTIZED) and info.qtype not in _FLOAT_QTYPES
+                   and _LINEAR_WEIGHT.match(hf_name) is not None)
+            w = _raw_blocks(path, f, info) if raw else _dequantize(path, f, info)
             if permute and ".attn_q." in info.name:
                 w = _unpermute_rope(w, n_head, path, info.name)
             elif permute and ".attn_k." in info.name:
                 w = _unpermute_rope(w, n_kv_head, path, info.name)
+            if raw:
+                tensor = torch.from_numpy(np.ascontiguousarray(w).copy())
+                tensor.gguf_qtype = info.qtype  # type: ignore[attr-defined]
+                tensor.gguf_shape = info.shape  # type: ignore[attr-defined]
+                yield hf_name, tensor
+                continue
             # F32/F16 come back as read-only views of the read buffer: copy only those.
             yield hf_name, torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
     if skipped:

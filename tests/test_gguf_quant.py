@@ -1,0 +1,149 @@
+"""GGUF kept quantized: block decoding equals the gguf package's dequantization for every
+supported type (tensors written with the gguf package's writer and quantizers), the gguf
+method's linear layers (fused, mixed types) against their dequantized weights through
+ember.testing, the Triton dequantize-matmul under the interpreter, and the default model kept
+quantized against the same model dequantized (greedy agreement over 8 prompts x 64 tokens)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize as gguf_dequantize
+
+from ember.quantization.gguf_blocks import SUPPORTED, Q, decode_blocks, dequantize
+from ember.testing import check_quantized_linear
+
+_LEGACY = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)  # the gguf package quantizes these
+
+
+def _blocks(qtype: Q, weight: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row bytes] GGUF blocks for a float weight: the gguf package's quantizer for
+    the legacy types; the K types (which it cannot quantize) get random codes and sub-block
+    scales with sane float16 super-block scales."""
+    from gguf.quants import quantize
+
+    if qtype in _LEGACY:
+        return np.ascontiguousarray(quantize(weight.astype(np.float32), qtype))
+    n, k = weight.shape
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    d = (rng.random((n, k // block)) * 0.004 + 0.001).astype(np.float16)
+    at = 208 if qtype == Q.Q6_K else 0
+    raw[:, :, at:at + 2] = d.view(np.uint8).reshape(n, k // block, 2)
+    if qtype != Q.Q6_K:
+        dmin = (rng.random((n, k // block)) * 0.004).astype(np.float16)
+        raw[:, :, 2:4] = dmin.view(np.uint8).reshape(n, k // block, 2)
+    return raw.reshape(n, -1)
+
+
+def test_block_decoding_equals_the_gguf_package(tmp_path):
+    """Every type, written to a .gguf file by GGUFWriter and read back by ember's loader."""
+    from gguf import GGUFWriter
+
+    from ember.models.loader.gguf import _raw_blocks, read_gguf_header
+
+    rng = np.random.default_rng(0)
+    path = str(tmp_path / "types.gguf")
+    writer = GGUFWriter(path, "llama")
+    shapes = {}
+    for i, qtype in enumerate(SUPPORTED):
+        weight = rng.standard_normal((6 + i, 512)).astype(np.float32) * 0.05
+        weight[2] = 0.0  # an all-zero row
+        writer.add_tensor(f"t.{qtype.name}", _blocks(qtype, weight, rng), raw_dtype=qtype)
+        shapes[qtype] = weight.shape
+    writer.write_header_to_file(), writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(), writer.close()
+    header = read_gguf_header(path)
+    with open(path, "rb") as f:
+        for qtype in SUPPORTED:
+            info = header.tensors[f"t.{qtype.name}"]
+            assert info.qtype == qtype and info.shape == shapes[qtype]
+            raw = _raw_blocks(path, f, info)
+            want = gguf_dequantize(raw, qtype).reshape(info.shape)
+            got = dequantize(torch.from_numpy(raw.copy()), qtype, info.shape)
+            assert np.array_equal(got.numpy(), want), qtype.name  # bit for bit
+    with pytest.raises(NotImplementedError, match="Q2_K is not supported"):
+        decode_blocks(torch.zeros(1, 84, dtype=torch.uint8), Q.Q2_K, (1, 256))
+
+
+def _gguf_tensors(types):
+    """make_tensors for ember.testing.check_quantized_linear: shard i gets types[i % len]."""
+    rng = np.random.default_rng(1)
+    cycle = itertools.cycle(types)
+
+    def make(weight: torch.Tensor):
+        qtype = next(cycle)
+        raw = torch.from_numpy(_blocks(qtype, weight.numpy(), rng))
+        raw.gguf_qtype, raw.gguf_shape = qtype, tuple(weight.shape)
+        return {"weight": raw}, dequantize(raw, qtype, tuple(weight.shape))
+
+    return make
+
+
+@pytest.mark.parametrize("types", [(q,) for q in SUPPORTED] + [(Q.Q4_K, Q.Q6_K), (Q.Q4_1, Q.Q8_0)],
+                         ids=lambda t: "+".join(q.name for q in t))
+def test_gguf_linear_against_dequantized(types):
+    """Fused two-shard layers (mixed types where two are given) through the conformance kit:
+    int4 types take torch's int4 matmul (bfloat16 inside, hence the bound), the others the
+    per-call dequantization."""
+    lines = check_quantized_linear("gguf", _gguf_tensors(types), dtypes=("float32", "bfloat16"),
+                                   shapes=(([64, 32], 256), ([96, 64], 512)), atol=2e-2)
+    assert len(lines) == 4
+
+
+def test_triton_kernel_under_the_interpreter(monkeypatch):
+    """The GPU kernel, interpreted on the CPU at small shapes, for a 4-bit and an 8-bit type
+    and a mixed fused layer (the gguf method takes the Triton path under the interpreter)."""
+    if "ember.kernels.gguf_matmul" in sys.modules and not torch.cuda.is_available():
+        pytest.skip("the kernel module was defined without the interpreter in this process")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for types in [(Q.Q4_K,), (Q.Q6_K,), (Q.Q4_0, Q.Q5_1)]:
+        lines = check_quantized_linear("gguf", _gguf_tensors(types), batch_sizes=(1, 20),
+                                       shapes=(([32, 16], 256),), atol=1e-4)
+        assert len(lines) == 1
+
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.", "List three primary colors.",
+    "What is 12 times 7?", "Give me a tip for learning to cook.",
+    "Translate 'good morning' into Spanish.", "Why is the sky blue?",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_default_model_kept_quantized_agrees_with_dequantized(caplog):
+    """Greedy tokens of the default model computed from its Q4_1 blocks equal the dequantized
+    float32 model's on >= 90% of positions (8 chat prompts x 64 tokens, position by position);
+    the stricter figure, positions before each pair's first divergence, is printed too."""
+    from ember import LLM, SamplingParams
+    from ember.quantization.gguf import GGUFLinearMethod
+
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    with caplog.at_level("INFO", logger="ember"):
+        quant = LLM()
+    assert "model weights take" in caplog.text and "gguf, 120 linear layers" in caplog.text
+    model = quant.llm_engine.executor.runner.model
+    layers = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None),
+                                                        GGUFLinearMethod)]
+    assert len(layers) == 120 and all(p.kind == "int4_cpu" for m in layers for p in m.gguf_parts)
+    tok = quant.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.apply_chat_template(
+        [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+        return_dict=False)} for q in QUESTIONS]  # fmt: skip
+    got = [o.outputs[0].token_ids for o in quant.generate(prompts, greedy)]
+    del quant
+    ref_llm = LLM(quantization="none")
+    want = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, greedy)]
+    total = sum(len(b) for b in want)
+    equal = sum(x == y for a, b in zip(got, want) for x, y in zip(a, b))
+    prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
+                 for a, b in zip(got, want))
+    print(f"greedy agreement, quantized vs dequantized: {equal}/{total} = {equal / total:.4f} "
+          f"positions equal; {prefix}/{total} = {prefix / total:.4f} before the first divergence")
+    assert equal / total >= 0.9
