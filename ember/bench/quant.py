@@ -34,8 +34,9 @@ import torch.nn.functional as F
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}  # Llama-3.1-8B (out, in)
 L2_FLUSH_BYTES = 200 * 2**20
-# (block_n, block_k, -, warps, stages, fma): K splits chosen as the default rule chooses them;
-# fma (float32 multiply-adds, no tensor cores) is timed at one row only.
+DEVICE, DTYPE = "cuda", torch.bfloat16  # a dry run of the code on the CPU sets cpu / float16
+# (block_n, block_k, -, warps, stages, fma), timed at one row: K splits chosen as the default
+# rule chooses them; fma = float32 multiply-adds instead of tensor cores.
 GEMV_CONFIGS = [(64, 128, 0, 4, 4, False), (32, 128, 0, 4, 4, False), (128, 128, 0, 4, 4, False),
                 (64, 128, 0, 4, 6, False), (128, 128, 0, 8, 4, False), (64, 64, 0, 4, 6, False),
                 (64, 128, 0, 4, 4, True), (128, 64, 0, 4, 4, True), (32, 128, 0, 2, 4, True)]
@@ -50,7 +51,7 @@ def _gemv_config(cfg: tuple, n: int, k: int) -> tuple:
     from ember.kernels.launch import cdiv, num_sms
 
     block_n, block_k = cfg[:2]
-    sms = num_sms(torch.device("cuda"))
+    sms = num_sms(torch.device(DEVICE))
     split = max(1, min(cdiv(2 * sms, cdiv(n, block_n)), cdiv(k, block_k) // 4 or 1))
     return (block_n, block_k, split, *cfg[3:])
 
@@ -82,12 +83,12 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     rows = []
     for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda") / k**0.5
+        w = torch.randn(n, k, device=DEVICE) / k**0.5
         tensors, _ = awq_tensors(w.cpu(), 128)
-        qw, qz = tensors["qweight"].cuda(), tensors["qzeros"].cuda()
-        s = tensors["scales"].cuda().half()
+        qw, qz = tensors["qweight"].to(DEVICE), tensors["qzeros"].to(DEVICE)
+        s = tensors["scales"].to(DEVICE).half()
         wq8, s8 = quantize_weight_per_channel(w)
-        w_bf16 = w.bfloat16()
+        w_bf16 = w.to(DTYPE)
         deq = dequantize_awq(qw, qz, s, 128).t()
         del w
         int4_bytes = qw.numel() * 4 + qz.numel() * 4 + s.numel() * 2
@@ -99,7 +100,7 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
                                      for _ in range(_copies(int4_bytes) - 1)],
         }
         for m in ns.rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
             ref = x.float() @ deq.float().T
             got = (int4_gemv(x, qw, qz, s, 128) if m <= 16 else int4_gemm(x, qw, qz, s, 128))
             err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
@@ -122,9 +123,7 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
                       lambda x_, wt, s8=s8: fp8_linear(x_, wt, s8, None, 16), sets["fp8"])
                 timed("int4_gemv", int4_bytes, lambda x_, t: int4_gemv(x_, *t, 128),
                       sets["int4"])
-                for cfg in GEMV_CONFIGS if ns.sweep else []:
-                    if cfg[5] and m != 1:
-                        continue
+                for cfg in GEMV_CONFIGS if ns.sweep and m == 1 else []:  # batch 1's goal
                     c = _gemv_config(cfg, n, k)
                     timed(f"int4_gemv_{'x'.join(map(str, c))}", int4_bytes,
                           lambda x_, t, c=c: int4_gemv(x_, *t, 128, config=c), sets["int4"])
