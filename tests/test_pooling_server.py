@@ -343,3 +343,39 @@ def test_classifier_with_three_labels(tmp_path):
         assert "engine core" in err["message"]
     finally:
         server.stop()
+
+
+POOLING_PATHS = ["/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
+                 "/v1/rerank"]
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_generated_requests_never_get_a_5xx(minilm_server, mode):
+    """Schemathesis on the pooling endpoints of a pooling model (valid requests reach the
+    engine core), unpaired surrogates mixed into the strings as in test_server_schema."""
+    schemathesis = pytest.importorskip("schemathesis")
+    import json
+
+    import requests
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from test_server_schema import _add_surrogates
+
+    schema = schemathesis.openapi.from_url(minilm_server.url + "/openapi.json")
+    for path in POOLING_PATHS:
+        strategy = schema[path]["POST"].as_strategy(schemathesis.GenerationMode(mode))
+
+        @given(case=strategy, data=st.data())
+        @settings(max_examples=8, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def check(case, data) -> None:
+            kwargs = case.as_transport_kwargs()
+            if isinstance(case.body, (dict, list, str)):
+                kwargs.pop("json", None)
+                kwargs["data"] = json.dumps(_add_surrogates(case.body, data)).encode()
+                kwargs.setdefault("headers", {})["Content-Type"] = "application/json"
+            response = requests.request(**kwargs, timeout=120)
+            assert response.status_code < 500, (case.path, case.body, response.text[:500])
+
+        check()
+    assert minilm_server.engine.stats()["num_unfinished_requests"] == 0
