@@ -214,3 +214,15 @@ def test_ember_serve_by_hub_name(hub_cache, tmp_path):
         proc.terminate()
         proc.wait(60)
         log.close()
+
+
+def test_plugins_explain_takes_a_hub_name(hub_cache, offline, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    from ember.entrypoints.cli_plugins import main
+
+    cache, _, _ = hub_cache
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    main(["--explain", "--model", REPO, "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "model needs: dtype float32, head size 16" in out, out

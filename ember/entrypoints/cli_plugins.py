@@ -205,10 +205,15 @@ def _model_facts(model: str | None, head_size: int | None) -> tuple[dict[str, An
         cfg = _gguf_config(model)
     elif model and os.path.isdir(model):
         cfg = _dir_config(model, notes)
+    elif model and model not in ModelRegistry and "/" in model:
+        from ember.config import resolve_model_path  # a hub name: its config, from the cache
+
+        cfg = _dir_config(resolve_model_path(model, progress=False), notes)
     elif model:
         if model not in ModelRegistry:
-            raise ValueError(f"--model {model!r} is neither a model directory, a .gguf file nor a "
-                             f"registered architecture ({', '.join(ModelRegistry.names())})")
+            raise ValueError(f"--model {model!r} is neither a model directory, a .gguf file, a "
+                             "hub name nor a registered architecture "
+                             f"({', '.join(ModelRegistry.names())})")
         cfg = SimpleNamespace(architectures=[model])
     archs = list(getattr(cfg, "architectures", None) or [])
     size = head_size or (head_size_of(cfg) if cfg is not None else None)
