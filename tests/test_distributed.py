@@ -30,6 +30,7 @@ ENGINE = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, max_model
 MODELS = {  # name -> (arch, config overrides)
     "llama": ("llama", {}),
     "qwen3_one_kv_head": ("qwen3", {"num_key_value_heads": 1}),  # q/k norm; 2 ranks, 1 KV head
+    "qwen2_one_kv_head": ("qwen2", {"num_key_value_heads": 1}),  # q/k/v biases, replicated
 }
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
 
