@@ -226,3 +226,74 @@ def test_plugins_explain_takes_a_hub_name(hub_cache, offline, monkeypatch, capsy
     main(["--explain", "--model", REPO, "--device", "cpu"])
     out = capsys.readouterr().out
     assert "model needs: dtype float32, head size 16" in out, out
+
+
+_ONLINE_SCRIPT = """
+import json, sys
+from ember import LLM, SamplingParams
+from ember.config import resolve_model_source
+from ember.models.loader.hub import fetch_weights
+
+out = {}
+llm = LLM("org/sharded", revision="v1", skip_tokenizer_init=True, max_model_len=64,
+          num_gpu_blocks_override=32, show_progress=True)
+params = SamplingParams(temperature=0.0, max_tokens=6)
+prompts = [{"prompt_token_ids": [5, 9, 13, 40, 7]}, {"prompt_token_ids": [3, 3, 100]}]
+out["tokens"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+llm.shutdown()
+for name, rev in [("org/missing", None), ("org/sharded", "no-such-rev"), ("org/bin-only", None)]:
+    try:
+        _, hub = resolve_model_source(name, rev, None, False)
+        fetch_weights(hub, False)
+        out[name + str(rev)] = "no error"
+    except ValueError as e:
+        out[name + str(rev)] = str(e)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_download_from_a_hub_server(tmp_path):
+    """Online: huggingface_hub downloads from a local server speaking the hub API. Only the
+    config/tokenizer-side files and the index's shards are fetched (no .bin, no consolidated
+    copy), with huggingface_hub's progress bar; the revision's weights are the ones run; a
+    missing repo, a missing revision and a .bin-only repo get clear errors."""
+    import json
+    import subprocess
+    import sys
+
+    from hub_server import FakeHub
+
+    src = make_tiny_model("llama", tmp_path / "src", seed=3)
+    sharded = tmp_path / "sharded"
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(src).save_pretrained(sharded, max_shard_size="60KB")
+    shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    (sharded / "pytorch_model.bin").write_bytes(b"never fetched")
+    (sharded / "consolidated.safetensors").write_bytes(b"never fetched either")
+    (sharded / "README.md").write_text("not needed")
+    bin_only = tmp_path / "bin_only"
+    bin_only.mkdir()
+    (bin_only / "config.json").write_bytes((src / "config.json").read_bytes())
+    (bin_only / "pytorch_model.bin").write_bytes(b"x")
+    expected = _tokens(str(src))
+    with FakeHub() as hub:
+        hub.add("org/sharded", "f" * 40, sharded, ["v1"])
+        hub.add("org/bin-only", "0" * 40, bin_only, ["main"])
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "cache"),
+               "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0"}
+        env.pop("EMBER_DISABLE_PROGRESS", None)
+        proc = subprocess.run([sys.executable, "-c", _ONLINE_SCRIPT], env=env,
+                              capture_output=True, text=True, timeout=300)
+        downloads = {d.split("/", 2)[2] for d in hub.downloads if d.startswith("org/sharded/")}
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1]) if "RESULT " in proc.stdout else None
+    assert result is not None, proc.stderr[-3000:]
+    assert result["tokens"] == expected
+    assert downloads == {"config.json", "generation_config.json",
+                         "model.safetensors.index.json", *shards}
+    assert "Fetching" in proc.stderr  # huggingface_hub's tqdm bar
+    assert "not a local path and not a model on the hub" in result["org/missingNone"]
+    assert "has no revision 'no-such-rev'" in result["org/shardedno-such-rev"]
+    assert "no safetensors weights" in result["org/bin-onlyNone"]
