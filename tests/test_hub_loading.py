@@ -60,6 +60,17 @@ def hub_cache(tmp_path_factory):
     return cache, main, v1
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """One intra-op thread (as in test_engine_gemma_phi.py: a shared small CPU thrashes)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def offline(monkeypatch):
     from huggingface_hub import constants
@@ -187,7 +198,7 @@ def test_ember_serve_by_hub_name(hub_cache, tmp_path):
     expected = _tokens(str(v1))[0]
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache),
-           "EMBER_DISABLE_PROGRESS": "1"}
+           "EMBER_DISABLE_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "ember.entrypoints.cli", "serve", REPO, "--revision", "v1",
            "--tokenizer", "ember-test/serve-tok", "--port", str(port), "--max-model-len", "64",
            "--num-gpu-blocks-override", "32", "--uvicorn-log-level", "warning"]
@@ -283,7 +294,7 @@ def test_download_from_a_hub_server(tmp_path):
         hub.add("org/sharded", "f" * 40, sharded, ["v1"])
         hub.add("org/bin-only", "0" * 40, bin_only, ["main"])
         env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "cache"),
-               "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0"}
+               "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "OMP_NUM_THREADS": "1"}
         env.pop("EMBER_DISABLE_PROGRESS", None)
         proc = subprocess.run([sys.executable, "-c", _ONLINE_SCRIPT], env=env,
                               capture_output=True, text=True, timeout=300)
