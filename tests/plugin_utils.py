@@ -14,7 +14,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "plugins"
-EXAMPLE_DISTS = ("ember-gemma", "ember-paged-torch", "ember-cpu-variant")
+EXAMPLE_DISTS = ("ember-olmo", "ember-paged-torch", "ember-cpu-variant")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

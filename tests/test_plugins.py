@@ -358,16 +358,16 @@ def test_listing_imports_no_plugin_implementation_module():
         from ember.entrypoints.cli_plugins import listing
         text = "\\n".join(listing())
         mods = sorted(m for m in sys.modules if m.split(".")[0] in
-                      ("ember_gemma", "ember_paged_torch", "ember_cpu_variant"))
+                      ("ember_olmo", "ember_paged_torch", "ember_cpu_variant"))
         print(json.dumps({"mods": mods, "torch": "torch" in sys.modules,
-                          "ok": all(n in text for n in ("GemmaForCausalLM", "paged_torch",
+                          "ok": all(n in text for n in ("OlmoForCausalLM", "paged_torch",
                                                          "cpu_variant_sdpa", "cpu_variant"))}))
     """)
     out = last_json(proc)
     assert out["ok"] and not out["torch"]
     # Only each plugin's registration module (the entry point) and its empty package.
-    assert out["mods"] == ["ember_cpu_variant", "ember_cpu_variant.plugin", "ember_gemma",
-                           "ember_gemma.plugin", "ember_paged_torch", "ember_paged_torch.plugin"]
+    assert out["mods"] == ["ember_cpu_variant", "ember_cpu_variant.plugin", "ember_olmo",
+                           "ember_olmo.plugin", "ember_paged_torch", "ember_paged_torch.plugin"]
 
 
 @needs_examples
@@ -377,14 +377,14 @@ def test_broken_example_plugin_is_reported_and_others_keep_working(broken_site):
         from ember.entrypoints.cli_plugins import main
         main([])
         from ember.registry import ModelRegistry, AttentionBackendRegistry
-        print(json.dumps([ModelRegistry.resolve("GemmaForCausalLM").__name__,
+        print(json.dumps([ModelRegistry.resolve("OlmoForCausalLM").__name__,
                           AttentionBackendRegistry.resolve("paged_torch").__name__]))
     """, path=[broken_site])
     out = proc.stdout
     assert "broken" in out and "ember-broken-plugin 0.1.0" in out and "FAILED" in out
     assert "ModuleNotFoundError: No module named 'ember_dependency_that_is_not_installed'" in out
     assert "3 loaded, 1 failed" in out
-    assert last_json(proc) == ["GemmaForCausalLM", "PagedTorchBackend"]
+    assert last_json(proc) == ["OlmoForCausalLM", "PagedTorchBackend"]
     assert proc.stderr.count("failed to load") == 1
 
 

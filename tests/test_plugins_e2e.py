@@ -1,5 +1,5 @@
 """`LLM` end to end through each example plugin (installed by examples/plugins/install.sh):
-a Gemma checkpoint (model plugin), attention_backend="paged_torch" (backend plugin), the
+an OLMo checkpoint (model plugin), attention_backend="paged_torch" (backend plugin), the
 cpu_variant platform (platform plugin), and the broken plugin leaving the rest working."""
 
 from __future__ import annotations
@@ -48,30 +48,26 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny_gemma(tmp_path_factory):
-    from transformers import GemmaConfig, GemmaForCausalLM
+def tiny_olmo(tmp_path_factory):
+    from transformers import OlmoConfig, OlmoForCausalLM
 
     torch.manual_seed(0)
-    config = GemmaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                         head_dim=32, max_position_embeddings=256, initializer_range=0.1,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    hf = GemmaForCausalLM(config).eval()
-    with torch.no_grad():  # HF initialises Gemma's norms to zero: randomise to test loading
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(-0.5, 0.5)
-    path = tmp_path_factory.mktemp("gemma") / "tiny-gemma"
+    config = OlmoConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                        max_position_embeddings=256, initializer_range=0.1, clip_qkv=0.5,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    hf = OlmoForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("olmo") / "tiny-olmo"
     hf.save_pretrained(path, safe_serialization=True)
     return str(path), hf
 
 
-def test_llm_runs_a_gemma_checkpoint_through_the_model_plugin(tiny_gemma):
-    path, hf = tiny_gemma
+def test_llm_runs_an_olmo_checkpoint_through_the_model_plugin(tiny_olmo):
+    path, hf = tiny_olmo
     llm = LLM(path, skip_tokenizer_init=True, max_model_len=64)
     model = _executor(llm).runner.model
-    assert type(model).__module__ == "ember_gemma.model"
-    _assert_matches_hf(llm, hf, _prompts(hf.config.vocab_size), "gemma")
+    assert type(model).__module__ == "ember_olmo.model"
+    _assert_matches_hf(llm, hf, _prompts(hf.config.vocab_size), "olmo")
 
 
 def test_llm_with_the_backend_plugin(tiny_llama):
@@ -109,6 +105,6 @@ def test_llm_works_with_the_broken_plugin_installed(tiny_llama, tmp_path):
     """, path=[site], EMBER_DISABLE_PROGRESS="1")
     n_tokens, report = last_json(proc)
     assert n_tokens == 4
-    assert report == {"broken": "failed", "cpu_variant": "loaded", "gemma": "loaded",
+    assert report == {"broken": "failed", "cpu_variant": "loaded", "olmo": "loaded",
                       "paged_torch": "loaded"}
     assert proc.stderr.count("ember plugin 'broken'") == 1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs ember's example plugins into the venv (editable), so that `ember plugins` lists them
 # and CI runs `LLM` through each. Safe to run again.
-#   examples/plugins/install.sh                 ember-gemma, ember-paged-torch, ember-cpu-variant
+#   examples/plugins/install.sh                 ember-olmo, ember-paged-torch, ember-cpu-variant
 #   examples/plugins/install.sh --with-broken   also ember-broken-plugin (fails to load on purpose:
 #                                               every ember process then logs its error once)
 #   examples/plugins/install.sh --uninstall     removes all four
@@ -10,7 +10,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 PY="${PYTHON:-$root/.venv/bin/python}"
-plugins=(ember-gemma ember-paged-torch ember-cpu-variant)
+plugins=(ember-olmo ember-paged-torch ember-cpu-variant)
 case "${1:-}" in
   --with-broken) plugins+=(ember-broken-plugin) ;;
   --uninstall)
