@@ -55,7 +55,9 @@ def _gguf_matmul_kernel(x_ptr, codes_ptr, scale_ptr, min_ptr, out_ptr, M, N, K,
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K] codes < 16 -> uint8 [N, K / 2] in the kernel's 4-bit layout."""
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    from ember.quantization.gguf_blocks import pack_nibbles as pack
+
+    return pack(codes)
 
 
 def gguf_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,

@@ -134,6 +134,12 @@ def decode_blocks(raw: torch.Tensor, qtype: Q, shape: tuple[int, int]) -> Affine
     )
 
 
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] codes < 16 -> uint8 [N, K / 2]: byte j holds code 2j (low nibble) and code
+    2j + 1 (high nibble), the layout the Triton kernel and the CPU dense path read."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
 def dequantize(raw: torch.Tensor, qtype: Q, shape: tuple[int, int]) -> torch.Tensor:
     """float32 [N, K] from GGUF blocks (F32/F16/BF16 rows are reinterpreted)."""
     if qtype in FLOAT_TYPES:
