@@ -40,9 +40,10 @@ from ember.quantization.gguf_blocks import (
 )
 
 _INT4_CPU_DTYPE = torch.bfloat16
-# Above this many rows torch's int4 CPU matmul loses to dequantizing into a bfloat16 matmul
-# (measured on an AVX-512/AMX Xeon: 32 rows of 576x3072 took 5.5 ms in int4, 1.2 ms dense).
-_INT4_MAX_ROWS = 16
+# Above this many rows (prefill) dequantizing into a bfloat16 matmul beats torch's int4 CPU
+# matmul, whose time grows with the rows (AVX-512/AMX Xeon, 2 cores, 3072x576: int4 ~0.17 ms
+# a row; dequantizing the weight ~15 ms, then the dense matmul is cheap).
+_INT4_MAX_ROWS = 128
 
 
 class GGUFQuantization(QuantizationMethod):
