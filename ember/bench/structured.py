@@ -109,16 +109,20 @@ def run(ns: argparse.Namespace) -> dict:
                    for i in range(ns.num_prompts)]
     compile_stats = _compile_times(llm, ns.backend)
     llm.generate(prompts, constrained, use_tqdm=False)  # warm-up: every grammar compiled
+    timer = _reset_timer(llm)
     start = time.perf_counter()
     outs = llm.generate(prompts, constrained, use_tqdm=False)
     constrained_s = time.perf_counter() - start
+    constrained_timing = _timing(timer)
     counts = [len(o.outputs[0].token_ids) for o in outs]
     valid = sum(_is_json(o.outputs[0].text) for o in outs)
     plain = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in counts]
     llm.generate(prompts, plain, use_tqdm=False)
+    timer = _reset_timer(llm)
     start = time.perf_counter()
     plain_outs = llm.generate(prompts, plain, use_tqdm=False)
     plain_s = time.perf_counter() - start
+    plain_timing = _timing(timer)
     assert [len(o.outputs[0].token_ids) for o in plain_outs] == counts
     tokens = sum(counts)
     result = {
@@ -129,8 +133,27 @@ def run(ns: argparse.Namespace) -> dict:
         "constrained_over_unconstrained": plain_s / constrained_s,
         "compile": compile_stats,
     }
+    if constrained_timing is not None:  # EMBER_STEP_TIMING=1: ms per step in each phase
+        result["step_ms"] = {"constrained": constrained_timing, "unconstrained": plain_timing}
     llm.shutdown()
     return result
+
+
+def _reset_timer(llm):
+    """The engine core's step timer, cleared (None when the core runs in another process)."""
+    engine = llm.llm_engine
+    if engine.client.multiprocess:
+        return None
+    timer = engine.engine_core.timer
+    timer.seconds.clear()
+    timer.steps = 0
+    return timer
+
+
+def _timing(timer) -> dict | None:
+    if timer is None or not timer.enabled:
+        return None
+    return {"num_steps": timer.steps, **{k: round(v, 3) for k, v in timer.summary().items()}}
 
 
 def _is_json(text: str) -> bool:

@@ -134,30 +134,53 @@ class EngineCore(EngineCoreControl):
             return EngineCoreOutputs(timestamp=time.time())
         timer = self.timer
         timer.start()
+        structured = self.structured_output
+        # Structured outputs under async scheduling: a step's forward does not need its bitmask,
+        # only its sampling does, and the bitmask needs the tokens of the step still in flight.
+        # So the step is launched with its sampling deferred, the step before is folded in (its
+        # tokens advance the grammars) while the forward runs, and then the bitmask is filled
+        # and the sampling launched. An executor that cannot defer folds the step before in
+        # first instead (its grammar rows would otherwise be masked by a stale grammar state).
+        defer = self.async_scheduling and getattr(self.executor, "defers_grammar_sampling",
+                                                  False)
         folded = None
-        if self._in_flight is not None and self._in_flight[0].grammar_bitmask is not None:
-            # Structured outputs under async scheduling: the next step's bitmask needs the
-            # tokens of the step in flight, so that step is folded in first (its grammar rows
-            # would otherwise be masked by a stale grammar state). Steps without grammar rows
-            # keep the overlap.
+        if (not defer and self._in_flight is not None
+                and self._in_flight[0].grammar_bitmask is not None):
             prev, self._in_flight = self._in_flight, None
             folded = self._fold_in(prev[0], prev[1].resolve())
         scheduler = self.scheduler
         plan = scheduler.schedule()
-        if self.structured_output.in_use and plan.scheduled_requests:
-            plan.grammar_bitmask = self.structured_output.grammar_bitmask(plan)
+        grammar_rows = (structured.sampling_rows(plan)
+                        if structured.in_use and plan.scheduled_requests else None)
+        if grammar_rows:
+            if defer:
+                plan.grammar_deferred = True
+            else:
+                plan.grammar_bitmask = structured.fill(grammar_rows)
         timer.mark("schedule")
         launched = None if plan.is_empty else (plan, self.executor.launch(plan))
         timer.mark("prepare")
         if self.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         if launched is None:
+            if plan.grammar_deferred:  # nothing was in flight: the grammars are current
+                self._finish_sampling(plan, grammar_rows)
             if plan.is_empty and self._in_flight is None and scheduler.compiling:
-                self.structured_output.wait(0.01)  # only grammars being built: don't spin
+                structured.wait(0.01)  # only grammars being built: don't spin
             return self._report_failed(folded or EngineCoreOutputs(timestamp=time.time()))
         result = launched[1].resolve()  # the step's one device-to-host sync
         timer.mark("wait")
-        return self._report_failed(self._fold_in(launched[0], result))
+        outputs = self._fold_in(launched[0], result)
+        if plan.grammar_deferred:
+            self._finish_sampling(plan, grammar_rows)
+        return self._report_failed(outputs)
+
+    def _finish_sampling(self, plan: SchedulerOutput, grammar_rows: list) -> None:
+        """Fill the in-flight step's bitmask from the grammars' current states and launch its
+        sampling."""
+        bitmask = self.structured_output.fill(grammar_rows)
+        self.timer.mark("grammar")
+        self.executor.finish_sampling(self._in_flight[1], bitmask)
 
     def _report_failed(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         """Requests whose grammar could not be built end with finish_reason "abort"."""

@@ -51,6 +51,10 @@ class SchedulerOutput:
     # The scheduler's own Request objects, for folding results back in (not for the workers).
     scheduled_requests: list = field(default_factory=list)
     grammar_bitmask: GrammarBitmask | None = None  # structured outputs (set by the engine core)
+    # Structured outputs under async scheduling: the step's sampling waits for its bitmask, given
+    # by the executor's `finish_sampling` once the step before is folded in (the forward runs
+    # meanwhile).
+    grammar_deferred: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ember.config import EngineArgs
 
 if TYPE_CHECKING:
-    from ember.core.scheduler_output import SchedulerOutput
+    from ember.core.scheduler_output import GrammarBitmask, SchedulerOutput
     from ember.worker.in_flight import InFlightStep
 
 logger = logging.getLogger("ember")
@@ -43,6 +43,13 @@ class UniProcExecutor:
     def launch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
         """Start a step without waiting; `.resolve()` on the result gives its ModelRunnerOutput."""
         return self.runner.launch(scheduler_output)
+
+    # The engine core may launch a step with `grammar_deferred` and give its bitmask later.
+    defers_grammar_sampling = True
+
+    def finish_sampling(self, step: InFlightStep, grammar: GrammarBitmask | None) -> None:
+        """Sample a step launched with `grammar_deferred` (before the next launch)."""
+        self.runner.finish_sampling(step, grammar)
 
     # ---- engine control (ember.worker.control) -----------------------------------------
     def sleep(self, level: int = 1) -> None:

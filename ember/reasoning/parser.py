@@ -41,6 +41,12 @@ class ReasoningParser:
     def finish_streaming(self) -> dict[str, str] | None:
         return None
 
+    def tag_token_ids(self) -> tuple[int, int] | None:
+        """(start, end) token ids of the reasoning tags in this parser's tokenizer, where each tag
+        is one token (the engine core finds where an answer starts by them, so that structured
+        outputs constrain the answer only); None when the parser has no such tags."""
+        return None
+
     def is_reasoning_end(self, model_output: str) -> bool:
         """Whether the output so far has left the reasoning (an answer constrained by structured
         outputs starts after this point)."""
@@ -119,6 +125,15 @@ class ThinkTagReasoningParser(ReasoningParser):
             if closed >= 0 and not self.prompt[closed + len(self.end_token):].strip(_WS):
                 return False
         return self.starts_in_reasoning
+
+    def tag_token_ids(self) -> tuple[int, int] | None:
+        ids = []
+        for tag in (self.start_token, self.end_token):
+            encoded = self.tokenizer.encode(tag, add_special_tokens=False)
+            if len(encoded) != 1:
+                return None
+            ids.append(encoded[0])
+        return ids[0], ids[1]
 
     def _scanner(self) -> _Scanner:
         return _Scanner(self.start_token, self.end_token, self.opens_in_reasoning())

@@ -12,12 +12,18 @@ class StructuredOutputsConfig:
     auto), "xgrammar", "guidance" or any name in ember.registry.GrammarBackendRegistry.
     `disable_any_whitespace` / `disable_additional_properties` apply to every request's JSON
     (a request's own StructuredOutputsParams flags add to them). `max_cache_size`: compiled
-    grammars kept for reuse (keyed by backend and spec)."""
+    grammars kept for reuse (keyed by backend and spec). `reasoning_parser`: a
+    ReasoningParserRegistry name; the grammar then applies to the answer after the reasoning
+    (ember.structured_output.reasoning_gate), or to everything with `enable_in_reasoning`."""
 
     backend: str = "auto"
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     max_cache_size: int = 512
+    # vLLM's: with a reasoning parser (`ember serve --reasoning-parser` sets it), the grammar
+    # constrains the answer after the reasoning only, unless `enable_in_reasoning`.
+    reasoning_parser: str | None = None
+    enable_in_reasoning: bool = False
 
     @classmethod
     def of(cls, value: Any) -> StructuredOutputsConfig:
@@ -43,6 +49,14 @@ class StructuredOutputsConfig:
             raise ValueError(
                 f"structured_outputs_config.backend {self.backend!r} is not a grammar backend; "
                 f"known: auto, {', '.join(GrammarBackendRegistry.names())}")
+        if self.reasoning_parser:
+            from ember.registry import ReasoningParserRegistry
+
+            if self.reasoning_parser not in ReasoningParserRegistry:
+                raise ValueError(
+                    f"structured_outputs_config.reasoning_parser {self.reasoning_parser!r} is "
+                    f"not a reasoning parser; known: "
+                    f"{', '.join(ReasoningParserRegistry.names())}")
         if not isinstance(self.max_cache_size, int) or self.max_cache_size < 1:
             raise ValueError("structured_outputs_config.max_cache_size must be >= 1, "
                              f"got {self.max_cache_size!r}")

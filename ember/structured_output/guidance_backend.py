@@ -110,6 +110,8 @@ class GuidanceBackend(StructuredOutputBackend):
         import torch
 
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, vocab_size)
+        # Fills a step's bitmask rows in parallel on llguidance's own threads.
+        self.executor = llguidance.LLExecutor()
         # llguidance builds its token tables on the first mask it computes (seconds): do it here,
         # on the grammar thread, rather than in the engine loop's first bitmask.
         warm = llguidance.LLMatcher(self.ll_tokenizer, llguidance.grammar_from("regex", "a"),
@@ -128,3 +130,13 @@ class GuidanceBackend(StructuredOutputBackend):
         if error:
             raise ValueError(f"guidance cannot compile the grammar: {error}")
         return GuidanceGrammar(matcher, stop_token_ids)
+
+    def fill_bitmasks(self, grammars: list[Grammar], bitmask: Any, rows: list[int]) -> None:
+        import llguidance.torch
+
+        if len(grammars) == 1:
+            grammars[0].fill_bitmask(bitmask, rows[0])
+            return
+        llguidance.torch.fill_next_token_bitmask_par(
+            self.executor, [(g.matcher, row) for g, row in zip(grammars, rows)],  # type: ignore[attr-defined]
+            bitmask)

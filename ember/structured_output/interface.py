@@ -139,3 +139,11 @@ class StructuredOutputBackend(ABC):
     @abstractmethod
     def new_grammar(self, compiled: Any, stop_token_ids: list[int]) -> Grammar:
         """A fresh matcher for one request; `stop_token_ids` end the grammar (the engine's eos)."""
+
+    def fill_bitmasks(self, grammars: list[Grammar], bitmask: torch.Tensor,
+                      rows: list[int]) -> None:
+        """Fill row rows[i] of `bitmask` for grammars[i] (all this backend's). Called once per
+        step for all of a backend's rows, so a backend can fill them in parallel (the built-in
+        ones do, on threads that release the GIL); the default fills them one by one."""
+        for grammar, row in zip(grammars, rows):
+            grammar.fill_bitmask(bitmask, row)

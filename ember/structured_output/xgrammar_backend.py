@@ -141,6 +141,8 @@ class XgrammarBackend(StructuredOutputBackend):
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         # ember caches compiled grammars itself (ember.structured_output.manager).
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        # Fills a step's bitmask rows on xgrammar's own threads (the GIL is released).
+        self.batch = xgr.BatchGrammarMatcher(max_threads=_fill_threads())
 
     def compile(self, spec: GrammarSpec) -> Any:
         return self.compiler.compile_grammar(build_grammar(spec))
@@ -150,6 +152,23 @@ class XgrammarBackend(StructuredOutputBackend):
 
         return XgrammarGrammar(xgr.GrammarMatcher(
             compiled, override_stop_tokens=list(stop_token_ids) or None))
+
+    def fill_bitmasks(self, grammars: list[Grammar], bitmask: Any, rows: list[int]) -> None:
+        if len(grammars) == 1:
+            grammars[0].fill_bitmask(bitmask, rows[0])
+            return
+        self.batch.batch_fill_next_token_bitmask(
+            [g.matcher for g in grammars], bitmask, rows)  # type: ignore[attr-defined]
+
+
+def _fill_threads() -> int:
+    """Threads for filling bitmasks: EMBER_GRAMMAR_THREADS, or the cores less one for the engine
+    loop, at most 8 (more threads only wait on one another at a step's few hundred rows)."""
+    import os
+
+    from ember import envs
+
+    return envs.grammar_threads() or max(1, min(8, (os.cpu_count() or 2) - 1))
 
 
 def _message(exc: Exception) -> str:

@@ -32,6 +32,9 @@ class InFlightStep:
         self._host_logprobs: tuple[torch.Tensor, ...] | None = None
         self._ready: DeviceEvent | None = None
         self._resolved = False
+        # (rows, logits, previous step) of a step whose sampling waits for its grammar bitmask
+        # (ModelRunner.finish_sampling); None once sampled.
+        self.deferred_sampling: tuple | None = None
 
     def attach_samples(
         self,
@@ -59,6 +62,9 @@ class InFlightStep:
     def resolve(self) -> ModelRunnerOutput:
         if self._resolved:
             return self.result
+        if self.deferred_sampling is not None:
+            raise RuntimeError("a step waiting for its grammar bitmask was resolved before "
+                               "finish_sampling")
         self._resolved = True
         if not self._rows:
             return self.result

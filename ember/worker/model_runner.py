@@ -109,6 +109,8 @@ class ModelRunner:
             ProcessorContext(model_config.vocab_size, self.device))
         self.stager = InputStager(platform)
         self.in_flight: InFlightStep | None = None  # the last launched step
+        self._grammar_buffers: list[torch.Tensor | None] = [None, None]  # pinned bitmask copies
+        self._grammar_buffer_index = 0
 
     # ---- set-up (called by ember.worker.builder) ---------------------------------------
     def compile_model(self) -> None:
@@ -280,7 +282,11 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, ctx)
         self._prompt_logprobs(batch, hidden, out, step.result)
         if batch.sample_rows:
-            self._sample(batch, hidden, step, previous, out.grammar_bitmask)
+            rows, logits = self._sampling_logits(batch, hidden)
+            if out.grammar_deferred:  # sampled by finish_sampling, once the bitmask is known
+                step.deferred_sampling = (rows, logits, previous)
+            else:
+                self._sample(rows, logits, step, previous, out.grammar_bitmask)
         self.stager.end()
         for req_id, num in out.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += num
@@ -300,17 +306,28 @@ class ModelRunner:
         sources = self._stage("placeholder_sources", np.array(src_rows), torch.int64)
         input_ids[positions] = previous.sampled[sources]  # type: ignore[index]
 
-    def _sample(self, batch: FlatBatch, hidden: torch.Tensor, step: InFlightStep,
+    def _sampling_logits(self, batch: FlatBatch, hidden: torch.Tensor,
+                         ) -> tuple[list[CachedRequestState], torch.Tensor]:
+        """The states of the rows that sample this step, and their logits."""
+        if len(batch.sample_rows) == len(hidden):  # pure decode: every token samples, in order
+            return batch.states, self.model.compute_logits(hidden)
+        rows = [batch.states[row] for row in batch.sample_rows]
+        indices = self._stage("logits_indices", batch.logits_indices, torch.int64)
+        return rows, self.model.compute_logits(hidden[indices])
+
+    @torch.inference_mode()
+    def finish_sampling(self, step: InFlightStep, grammar: GrammarBitmask | None) -> None:
+        """Sample a step launched with `grammar_deferred`, under its now-known bitmask. Called
+        before the next step is launched (that step reads these tokens from the device)."""
+        deferred, step.deferred_sampling = step.deferred_sampling, None
+        if deferred is not None:
+            rows, logits, previous = deferred
+            self._sample(rows, logits, step, previous, grammar)
+
+    def _sample(self, rows: list[CachedRequestState], logits: torch.Tensor, step: InFlightStep,
                 previous: InFlightStep | None, grammar: GrammarBitmask | None = None) -> None:
         from ember.layers.sampling_metadata import build_sampling_metadata
 
-        if len(batch.sample_rows) == len(hidden):  # pure decode: every token samples, in order
-            rows = batch.states
-            logits = self.model.compute_logits(hidden)
-        else:
-            rows = [batch.states[row] for row in batch.sample_rows]
-            indices = self._stage("logits_indices", batch.logits_indices, torch.int64)
-            logits = self.model.compute_logits(hidden[indices])
         processors = self.logits_processors
         if grammar is None and (not self.special_sampling_reqs or all(
             _plain_greedy(s.sampling_params, len(s.output_token_ids), processors) for s in rows
@@ -349,18 +366,31 @@ class ModelRunner:
         pairs = [(index[req_id], j) for j, req_id in enumerate(grammar.req_ids) if req_id in index]
         if not pairs:
             return
-        bitmask = grammar.bitmask
+        # Host work in numpy: torch ops on the host would wake torch's thread pool (see
+        # StructuredOutputManager.fill).
+        bitmask = grammar.bitmask.numpy()
         row_list = [i for i, _ in pairs]
         if row_list != list(range(len(rows))) or len(bitmask) != len(rows):
-            full = torch.full((len(rows), bitmask.shape[1]), -1, dtype=torch.int32)
+            full = np.full((len(rows), bitmask.shape[1]), -1, dtype=np.int32)
             full[row_list] = bitmask[[j for _, j in pairs]]
             bitmask = full
             metadata.grammar_row_list = row_list
             metadata.grammar_rows = to_device(row_list, torch.int64, self.device)
-        pin = not self.platform.device_is_host()  # a device of its own: copy from pinned memory
-        if pin:
-            bitmask = bitmask.pin_memory()
-        metadata.grammar_bitmask = bitmask.to(self.device, non_blocking=pin)
+        if self.platform.device_is_host():
+            metadata.grammar_bitmask = torch.from_numpy(bitmask)
+            return
+        # A device of its own: copy from page-locked memory without blocking. Two buffers used
+        # in turn: the copy out of one is done by the time it comes round again (the step that
+        # used it has been resolved).
+        self._grammar_buffer_index ^= 1
+        buffer = self._grammar_buffers[self._grammar_buffer_index]
+        if buffer is None or buffer.numel() < bitmask.size:
+            buffer = self.platform.empty_host_buffer(max(bitmask.size, 2 * (
+                0 if buffer is None else buffer.numel())), torch.int32)
+            self._grammar_buffers[self._grammar_buffer_index] = buffer
+        host = buffer[:bitmask.size]
+        host.numpy()[:] = bitmask.reshape(-1)
+        metadata.grammar_bitmask = host.view(bitmask.shape).to(self.device, non_blocking=True)
 
     def _prompt_logprobs(
         self, batch: FlatBatch, hidden: torch.Tensor, out: SchedulerOutput, result

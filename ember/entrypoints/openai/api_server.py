@@ -228,6 +228,9 @@ def run_server(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     args = engine_args_from(ns)
+    if ns.reasoning_parser:  # as vLLM: structured outputs then constrain the answer only
+        args.structured_outputs_config = {"reasoning_parser": ns.reasoning_parser,
+                                          **dict(args.structured_outputs_config or {})}
     if ns.api_server_count > 1:
         from ember.entrypoints.openai.launcher import run_multi_server
 
