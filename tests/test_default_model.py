@@ -1,7 +1,8 @@
 """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) end to end.
 
 Greedy ids of the dequantized model (quantization="none") must equal HF transformers loading the
-same GGUF (float32, CPU) on 8 chat prompts x 64 new tokens; logprobs must equal the reference log_softmax; the public API behaves like vLLM's.
+same GGUF (float32, CPU) on 8 chat prompts x 64 new tokens; logprobs must equal the reference
+log_softmax; the public API behaves like vLLM's.
 """
 
 from __future__ import annotations
