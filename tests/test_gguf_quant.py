@@ -126,8 +126,9 @@ def test_default_model_kept_quantized_agrees_with_dequantized(caplog, monkeypatc
     """The default model computed from its Q4_1 blocks against the same model dequantized to
     float32, over 8 chat prompts x 64 greedy tokens of the float model: at each position, given
     the same prefix (the float model's tokens, fed as the prompt), the quantized model's greedy
-    token equals the float model's on >= 90% of positions. Free-running agreement (the two
-    generations compared position by position, and up to their first divergence) is printed."""
+    token equals the float model's on >= 90% of positions (502/512 measured). Free-running, the
+    two generations part at the first near-tie (283/512 positions equal when measured), which
+    says little about the kernel, so the test does not generate them (CI time)."""
     from ember import LLM, SamplingParams
     from ember.quantization.gguf import GGUFLinearMethod
 
@@ -157,13 +158,7 @@ def test_default_model_kept_quantized_agrees_with_dequantized(caplog, monkeypatc
     # prompt_logprobs[i]: the distribution over token i given the tokens before it.
     agree = sum(_top1(out.prompt_logprobs[len(p) + j]) == tok_id
                 for out, p, w in zip(forced, prompts, want) for j, tok_id in enumerate(w))
-    got = [o.outputs[0].token_ids for o in
-           quant.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
-    equal = sum(x == y for a, b in zip(got, want) for x, y in zip(a, b))
-    prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
-                 for a, b in zip(got, want))
     print(f"greedy agreement, quantized vs dequantized, same prefix: {agree}/{total} = "
-          f"{agree / total:.4f}; free-running: {equal}/{total} = {equal / total:.4f} positions "
-          f"equal, {prefix}/{total} = {prefix / total:.4f} before the first divergence")
+          f"{agree / total:.4f}")
     assert agree / total >= 0.9
 
