@@ -102,7 +102,10 @@ def test_triton_kernel_under_the_interpreter(monkeypatch):
     and a mixed fused layer (the gguf method takes the Triton path under the interpreter)."""
     if "ember.kernels.gguf_matmul" in sys.modules and not torch.cuda.is_available():
         pytest.skip("the kernel module was defined without the interpreter in this process")
+    from ember.quantization import gguf as gguf_method
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(gguf_method, "INTERPRET_ON_CPU", True)
     for types in [(Q.Q4_K,), (Q.Q6_K,), (Q.Q4_0, Q.Q5_1)]:
         lines = check_quantized_linear("gguf", _gguf_tensors(types), batch_sizes=(1, 20),
                                        shapes=(([32, 16], 256),), atol=1e-4)

@@ -9,7 +9,7 @@ of one kind are joined and each part gets its compute form:
 - 4-bit codes (Q4_0, Q4_1, Q4_K) on the CPU: torch's int4 weight-only matmul
   (``_weight_int4pack_mm_for_cpu``, group 32, bfloat16 activations: it has no fast float32
   path), with ``scale_and_zero`` = (scale, min + 8 * scale) so that (q - 8) * s + z = s * q + min.
-- every supported type on CUDA (and on the CPU under TRITON_INTERPRET=1): the Triton
+- every supported type on CUDA (and on the CPU in its tests, interpreted): the Triton
   dequantize-matmul ember.kernels.gguf_matmul on the affine codes.
 - other types on the CPU (Q5_0, Q5_1, Q8_0, Q5_K, Q6_K): the codes are dequantized per call
   into the activation dtype and multiplied by F.linear (memory stays quantized, time does not
@@ -74,8 +74,15 @@ class GGUFQuantization(QuantizationMethod):
         return keep_quantized()
 
 
+# The kernel on the CPU under TRITON_INTERPRET=1 is for its own tests, which set this too: the
+# variable alone does not switch, because a test session sets it for other kernels' tests and
+# every default-model engine (and its spawned processes) would then run interpreted kernels.
+INTERPRET_ON_CPU = False
+
+
 def _use_triton(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or (INTERPRET_ON_CPU
+                                     and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 class Int8Logits(nn.Module):
