@@ -93,7 +93,7 @@ def test_gguf_linear_against_dequantized(types):
     (bfloat16 inside, hence the bound), the others the per-call dequantization."""
     lines = check_quantized_linear("gguf", _gguf_tensors(types), dtypes=("float32", "bfloat16"),
                                    shapes=(([64, 32], 256), ([96, 64], 512)), atol=2e-2,
-                                   batch_sizes=(1, 7, 33, 130))  # 130: the dense CPU path
+                                   batch_sizes=(1, 7, 33, 130))
     assert len(lines) == 4
 
 
@@ -125,7 +125,7 @@ def _top1(position: dict) -> int:
 
 
 @pytest.mark.slow
-def test_default_model_kept_quantized_agrees_with_dequantized(caplog, monkeypatch):
+def test_default_model_kept_quantized_agrees_with_dequantized(caplog):
     """The default model computed from its Q4_1 blocks against the same model dequantized to
     float32, over 8 chat prompts x 64 greedy tokens of the float model: at each position, given
     the same prefix (the float model's tokens, fed as the prompt), the quantized model's greedy
@@ -144,9 +144,6 @@ def test_default_model_kept_quantized_agrees_with_dequantized(caplog, monkeypatc
     want = [o.outputs[0].token_ids for o in
             ref_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
     del ref_llm
-    # Every step through the int4 matmul, prefill too (it would take the dense path above
-    # 128 rows), so the forced pass measures the kernel decode steps use.
-    monkeypatch.setattr("ember.quantization.gguf._INT4_MAX_ROWS", 1 << 30)
     with caplog.at_level("INFO", logger="ember"):
         quant = LLM()
     assert "model weights take" in caplog.text and "gguf, 120 linear layers" in caplog.text

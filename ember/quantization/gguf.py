@@ -36,14 +36,14 @@ from ember.quantization.gguf_blocks import (
     SUPPORTED,
     AffineCodes,
     decode_blocks,
-    pack_nibbles,
 )
 
 _INT4_CPU_DTYPE = torch.bfloat16
-# Above this many rows (prefill) dequantizing into a bfloat16 matmul beats torch's int4 CPU
-# matmul, whose time grows with the rows (AVX-512/AMX Xeon, 2 cores, 3072x576: int4 ~0.17 ms
-# a row; dequantizing the weight ~15 ms, then the dense matmul is cheap).
-_INT4_MAX_ROWS = 128
+# Every row count goes through torch's int4 matmul, prefill too, though a dense bfloat16 matmul
+# of the dequantized weight is ~3x faster there: the int4 matmul gives each row the same result
+# whatever the batch, and the dense one does not (bfloat16 F.linear differs below 16-32 rows), so
+# a token computed in a large prefill and again in a small recompute (preemption, prefix caching)
+# would differ, and greedy outputs would depend on how requests were batched.
 
 
 class GGUFQuantization(QuantizationMethod):
@@ -118,8 +118,6 @@ class _Part(nn.Module):
         if self.kind == "float":
             return F.linear(x, self.weight.to(x.dtype))
         if self.kind == "int4_cpu":
-            if x.shape[0] > _INT4_MAX_ROWS:  # prefill, large batches: a dense bf16 matmul
-                return F.linear(x.to(_INT4_CPU_DTYPE), self.dense_weight()).to(x.dtype)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(_INT4_CPU_DTYPE), self.packed, 32, self.scale_zero)
             return y.to(x.dtype)
@@ -129,13 +127,6 @@ class _Part(nn.Module):
                                     n=self.rows, **self.meta)
         # "dequant": per call, into the activation dtype
         return F.linear(x, self.affine().dequantize().to(x.dtype))
-
-    def dense_weight(self) -> torch.Tensor:
-        """bfloat16 [rows, K] from the nibbles, for this call only."""
-        p = self.nibbles
-        codes = torch.stack((p & 0x0F, p >> 4), dim=-1).view(p.shape[0], -1, 32)
-        w = codes.to(_INT4_CPU_DTYPE).mul_(self.group_scale).add_(self.group_base)
-        return w.view(p.shape[0], -1)
 
     def affine(self) -> AffineCodes:
         m = self.meta
@@ -175,14 +166,7 @@ def _part_for(weights: list[tuple[Any, torch.Tensor, tuple[int, int]]],
         # int4pack wants codes - 8 in [-8, 7] meaning (q - 8): ours are q in [0, 15].
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-        tensors = {
-            "packed": packed, "scale_zero": scale_zero.to(_INT4_CPU_DTYPE),
-            # For row counts where a dense matmul beats the int4 one (prefill, batches): the
-            # codes two to a byte and each group's scale and base (min - offset * scale).
-            "nibbles": pack_nibbles(codes),
-            "group_scale": scale.unsqueeze(-1).to(_INT4_CPU_DTYPE),
-            "group_base": (zero - 8 * scale).unsqueeze(-1).to(_INT4_CPU_DTYPE),
-        }  # fmt: skip
+        tensors = {"packed": packed, "scale_zero": scale_zero.to(_INT4_CPU_DTYPE)}
         return _Part(rows, "int4_cpu", tensors, meta)
     tensors = {"codes": codes, "scale": scale}
     if mn is not None:
