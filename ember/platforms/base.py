@@ -95,6 +95,11 @@ class Platform:
         instead of being staged and copied."""
         return self.device_type == "cpu"
 
+    def supports_fp8(self) -> bool:
+        """Whether this device computes with float8 (e4m3) values: an fp8 KV cache and fp8
+        weights. The host does (in torch ops and under the Triton interpreter)."""
+        return True
+
     # ---- memory --------------------------------------------------------------------------
     def kv_cache_memory_bytes(self, gpu_memory_utilization: float) -> int:
         """Bytes the KV cache may take when the user gives no explicit budget.

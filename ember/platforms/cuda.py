@@ -77,6 +77,12 @@ class CudaPlatform(Platform):
     async_scheduling_default: ClassVar[bool] = True
     supports_cuda_graphs: ClassVar[bool] = True
 
+    def supports_fp8(self) -> bool:
+        """fp8 conversions and tensor cores: compute capability 8.9 (Ada) or newer."""
+        import torch
+
+        return torch.cuda.get_device_capability(self.device()) >= (8, 9)
+
     @classmethod
     def is_available(cls) -> bool:
         return cuda_status()[0]

@@ -39,14 +39,15 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
-                         device: torch.device) -> torch.dtype:  # fmt: skip
+                         platform: Platform) -> torch.dtype:  # fmt: skip
     """The KV cache's element type for EngineArgs.kv_cache_dtype ("auto": the model's); fp8
-    needs a GPU with fp8 conversions (compute capability 8.9+) or the Triton interpreter."""
+    needs a platform that computes with fp8 (on CUDA, compute capability 8.9+)."""
     if kv_cache_dtype == "auto":
         return model_dtype
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU with fp8 support "
-                         "(compute capability 8.9 or newer)")
+    if not platform.supports_fp8():
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a device with fp8 support "
+                         f"(the {platform.name} device here has none; on CUDA, compute "
+                         "capability 8.9 or newer)")
     return torch.float8_e4m3fn
 
 
@@ -95,7 +96,7 @@ class ModelRunner:
         self.device = platform.device()
         self.model: torch.nn.Module = model
         self.dtype = torch_dtype(model_config.dtype)
-        self.kv_dtype = kv_cache_torch_dtype(model_config.kv_cache_dtype, self.dtype, self.device)
+        self.kv_dtype = kv_cache_torch_dtype(model_config.kv_cache_dtype, self.dtype, platform)
         self.block_size = block_size
         self.states: dict[str, CachedRequestState] = {}
         self.tables = BlockTableRows()
