@@ -248,3 +248,17 @@ def test_unregistered_preferred_backend_is_skipped_with_a_note():
     name, lines = rank_attention_backends(Odd(), dtype="float32", head_size=64)
     assert name == "sdpa"
     assert "ghost: skipped, preferred by odd but not registered" in lines
+
+
+def test_cpu_kv_cache_sized_from_available_not_free_memory(tmp_path, monkeypatch):
+    # Page cache counts as available: a machine whose RAM is mostly cached model files still
+    # gets the full 4 GiB KV cache, not a quarter of its few free pages.
+    from ember.platforms import cpu
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 25165824 kB\nMemFree: 1048576 kB\nMemAvailable: 20971520 kB\n")
+    assert cpu.available_host_memory_bytes(str(meminfo)) == 20 << 30
+    monkeypatch.setattr(cpu, "available_host_memory_bytes", lambda: 20 << 30)
+    assert CpuPlatform().kv_cache_memory_bytes(0.9) == 4 << 30
+    monkeypatch.setattr(cpu, "available_host_memory_bytes", lambda: 8 << 30)
+    assert CpuPlatform().kv_cache_memory_bytes(0.9) == 2 << 30

@@ -32,8 +32,24 @@ class CpuPlatform(Platform):
             logger.warning("gpu_memory_utilization=%s has no effect on the CPU platform: its KV "
                            "cache takes min(4 GiB, a quarter of free RAM); set "
                            "kv_cache_memory_bytes for another size", gpu_memory_utilization)
-        try:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError):
+        available = available_host_memory_bytes()
+        if available is None:
             return _DEFAULT_CPU_KV_BYTES
-        return int(min(_DEFAULT_CPU_KV_BYTES, free // 4))
+        return int(min(_DEFAULT_CPU_KV_BYTES, available // 4))
+
+
+def available_host_memory_bytes(meminfo_path: str = "/proc/meminfo") -> int | None:
+    """RAM a new allocation can get: Linux's MemAvailable, which counts the page cache the kernel
+    drops on demand. Bare free pages (MemFree) are no measure: after reading a few model files
+    most RAM is page cache, and a KV cache sized from MemFree shrank below one request."""
+    try:
+        with open(meminfo_path) as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    try:  # not Linux: free pages are the best the OS says
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
