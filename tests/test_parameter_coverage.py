@@ -184,9 +184,17 @@ _EMBED_FIELDS = {
 }
 _ACTIVATION = {"use_activation": [_XENC, f"{_PS}::test_bad_input_is_a_clear_400"],
                "activation": [_XENC]}
+_CHAT = f"{_PS}::test_chat_messages_embed_the_rendered_template"
+_CHAT_FIELDS = {**{name: [_CHAT] for name in (
+    "messages", "chat_template", "chat_template_kwargs", "add_generation_prompt",
+    "continue_final_message", "add_special_tokens", "encoding_format", "dimensions",
+    "normalize", "user", "truncate_prompt_tokens", "priority", "request_id")},
+    "model": [_CHAT, _REFUSED]}
 POOLING_FIELD_TESTS = {
     "EmbeddingRequest": {**_POOLING_COMMON, **_EMBED_FIELDS},
+    "EmbeddingChatRequest": _CHAT_FIELDS,
     "PoolingRequest": {**_POOLING_COMMON, **_EMBED_FIELDS, **_ACTIVATION},
+    "PoolingChatRequest": {**_CHAT_FIELDS, **_ACTIVATION},
     "ClassificationRequest": {**_POOLING_COMMON, **_ACTIVATION, "input": [_XENC],
                               "add_special_tokens": [_XENC]},
     "ScoreRequest": {**_POOLING_COMMON, **_ACTIVATION, "text_1": [_XENC], "text_2": [_XENC]},
@@ -383,7 +391,10 @@ def test_pooling_endpoints_refuse_a_generative_model(capturing):
                        ("/score", {"text_1": "a", "text_2": "b"}), ("/v1/score", {"text_1": "a",
                                                                                "text_2": "b"}),
                        ("/rerank", {"query": "a", "documents": ["b"]}),
-                       ("/v1/rerank", {"query": "a", "documents": ["b"]})):
+                       ("/v1/rerank", {"query": "a", "documents": ["b"]}),
+                       ("/v2/rerank", {"query": "a", "documents": ["b"]}),
+                       ("/v1/embeddings", {"messages": [{"role": "user", "content": "x"}]}),
+                       ("/pooling", {"messages": [{"role": "user", "content": "x"}]})):
         response = httpx.post(thread.base_url + path, json={"model": MODEL_NAME, **body},
                               timeout=60)
         assert response.status_code == 400, (path, response.text)

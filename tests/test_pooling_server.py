@@ -1,10 +1,11 @@
 """The pooling endpoints on the server, against their references.
 
 The real all-MiniLM-L6-v2 through the official openai client (float and base64) against
-sentence-transformers; /score, /rerank and /v1/rerank with httpx on a tiny random cross-encoder
-against transformers, and /classify on it; /pooling; the refusals (wrong runner, wrong kind, empty
-and too-long input, unknown fields); `ember serve` of a pooling model behind two API servers,
-stopped with nothing left behind.
+sentence-transformers, and chat `messages` input against the chat template rendered by
+transformers; /score, /rerank, /v1/rerank and /v2/rerank with httpx on a tiny random
+cross-encoder against transformers, and /classify on it; /pooling; the refusals (wrong runner,
+wrong kind, empty and too-long input, unknown fields); `ember serve` of a pooling model behind two
+API servers, stopped with nothing left behind.
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ pytestmark = pytest.mark.slow  # each module fixture starts an engine-core proce
 
 
 class PoolingServer:
-    def __init__(self, path: str, **engine_args) -> None:
+    def __init__(self, path: str, trust_request_chat_template: bool = False,
+                 **engine_args) -> None:
         self.engine = AsyncLLM.from_engine_args(EngineArgs(model=path, **engine_args))
-        self.thread = ServerThread(build_app(self.engine, [NAME])).start()
+        self.app = build_app(self.engine, [NAME],
+                             trust_request_chat_template=trust_request_chat_template)
+        self.thread = ServerThread(self.app).start()
         self.url = self.thread.base_url
 
     def post(self, path: str, **body) -> httpx.Response:
@@ -46,15 +50,20 @@ class PoolingServer:
 
 
 @pytest.fixture(scope="module")
-def st_reference():
+def st_model():
     st = pytest.importorskip("sentence_transformers")
-    model = st.SentenceTransformer(minilm_dir(), device="cpu")
-    return torch.tensor(model.encode(SENTENCES, batch_size=4))
+    return st.SentenceTransformer(minilm_dir(), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def st_reference(st_model):
+    return torch.tensor(st_model.encode(SENTENCES, batch_size=4))
 
 
 @pytest.fixture(scope="module")
 def minilm_server():
-    server = PoolingServer(minilm_dir(), scheduling_policy="priority")
+    server = PoolingServer(minilm_dir(), trust_request_chat_template=True,
+                           scheduling_policy="priority")
     yield server
     server.stop()
 
@@ -112,6 +121,101 @@ def test_embedding_inputs_and_fields(minilm_server, st_reference):
     named = server.post("/v1/embeddings", input="x", request_id="abc").json()
     assert named["id"] == "embd-abc"
     assert server.post("/v1/embeddings", input="x", priority=-1).status_code == 200
+
+
+# MiniLM has no chat template: the request brings one (the server trusts it). Roles and contents
+# a line each (ended by ';', which continue_final_message leaves out), a generation prompt when
+# asked, and a variable only chat_template_kwargs sets.
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} ;\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}"
+            "{% if topic %} about {{ topic }}{% endif %}")
+CHAT = [{"role": "system", "content": "You embed questions."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"}]
+
+
+def _st_on_ids(st_model, ids: list[int], normalize: bool = True) -> torch.Tensor:
+    """sentence-transformers' modules (BERT, mean pooling, Normalize) on given token ids."""
+    n = len(ids)
+    features = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, n, dtype=int),
+                "token_type_ids": torch.zeros(1, n, dtype=int)}
+    modules = list(st_model) if normalize else list(st_model)[:2]  # [2]: Normalize
+    with torch.no_grad():
+        for module in modules:
+            features = module(features)
+    return features["sentence_embedding"][0]
+
+
+def test_chat_messages_embed_the_rendered_template(minilm_server, client, st_model):
+    """vLLM's EmbeddingChatRequest / PoolingChatRequest: `messages` rendered with the chat
+    template as transformers renders it (each flag with its effect), embedded as
+    sentence-transformers embeds those token ids."""
+    from openai.types import CreateEmbeddingResponse
+    from transformers import AutoTokenizer
+
+    server = minilm_server
+    tok = AutoTokenizer.from_pretrained(minilm_dir())
+
+    def reference_ids(special: bool = False, **flags) -> list[int]:
+        text = tok.apply_chat_template(CHAT, chat_template=TEMPLATE, tokenize=False, **flags)
+        return tok(text, add_special_tokens=special)["input_ids"]
+
+    # vLLM's defaults: no generation prompt, no special tokens; the official client's post()
+    plain = client.post("/embeddings", cast_to=CreateEmbeddingResponse,
+                        body={"model": NAME, "messages": CHAT, "chat_template": TEMPLATE,
+                              "user": "alice", "encoding_format": "float"})
+    ids = reference_ids()
+    assert plain.usage.prompt_tokens == len(ids)
+    assert F.cosine_similarity(torch.tensor(plain.data[0].embedding), _st_on_ids(st_model, ids),
+                               dim=0) >= 0.99999
+    cases = [  # (endpoint, request fields, the reference's token ids)
+        ("/pooling", {"add_generation_prompt": True, "add_special_tokens": True,
+                      "chat_template_kwargs": {"topic": "geography"},
+                      "encoding_format": "base64", "request_id": "c1", "priority": -1},
+         reference_ids(True, add_generation_prompt=True, topic="geography")),
+        ("/v1/embeddings", {"continue_final_message": True},
+         reference_ids(continue_final_message=True)),
+        ("/v1/embeddings", {"truncate_prompt_tokens": 5}, ids[-5:]),  # keeps the last tokens
+    ]
+    seen = [ids]
+    for path, fields, want in cases:
+        body = server.post(path, messages=CHAT, chat_template=TEMPLATE, **fields).json()
+        item = body["data"][0]
+        got = torch.tensor(_vector(item.get("embedding", item.get("data"))))
+        assert body["usage"]["prompt_tokens"] == len(want), (fields, body)
+        assert F.cosine_similarity(got, _st_on_ids(st_model, want), dim=0) >= 0.99999, fields
+        assert want not in seen, fields  # every flag changed what was embedded
+        seen.append(want)
+    assert server.post("/pooling", messages=CHAT, chat_template=TEMPLATE,
+                       request_id="c1").json()["id"] == "pool-c1"
+    raw = server.post("/v1/embeddings", messages=CHAT, chat_template=TEMPLATE,
+                      normalize=False).json()["data"][0]["embedding"]
+    assert torch.allclose(torch.tensor(raw), _st_on_ids(st_model, ids, normalize=False),
+                          atol=1e-4)
+    # refusals, each naming its field
+    for fields, param in (({"add_generation_prompt": True, "continue_final_message": True},
+                           "continue_final_message"),
+                          ({"input": "x"}, "input"), ({"dimensions": 8}, "dimensions"),
+                          ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+                          ({"use_activation": True}, "use_activation")):
+        err = _error(server.post("/v1/embeddings", messages=CHAT, chat_template=TEMPLATE,
+                                 **fields))
+        assert err["param"] == param, (fields, err)
+    for name in ("use_activation", "activation"):  # /pooling takes them; an embedder refuses
+        err = _error(server.post("/pooling", messages=CHAT, chat_template=TEMPLATE,
+                                 **{name: False}))
+        assert err["param"] == "use_activation" and "embed" in err["message"], err
+    err = _error(server.post("/v1/embeddings", messages=CHAT))  # no template anywhere
+    assert err["param"] == "messages" and "chat template" in err["message"]
+    assert _error(server.post("/pooling", messages=[]))["param"] == "messages"
+    ctx = server.app.state.ctx
+    ctx.trust_request_chat_template = False
+    try:
+        err = _error(server.post("/pooling", messages=CHAT, chat_template=TEMPLATE))
+        assert err["param"] == "chat_template" and "--trust-request-chat-template" in err[
+            "message"]
+    finally:
+        ctx.trust_request_chat_template = True
 
 
 def test_metrics_count_pooling_requests(minilm_server):
@@ -232,7 +336,7 @@ def test_cross_encoder_score_rerank_and_classify_match_transformers(cross_encode
     raw = server.post("/score", text_1=[query] * 4, text_2=docs, use_activation=False).json()
     assert [d["score"] for d in raw["data"]] == pytest.approx(logits.tolist(), abs=1e-4)
     order = sorted(range(4), key=lambda i: want[i], reverse=True)
-    for path in ("/rerank", "/v1/rerank"):
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):  # vLLM's three spellings
         ranked = server.post(path, query=query, documents=docs).json()
         assert [r["index"] for r in ranked["results"]] == order
         assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx(

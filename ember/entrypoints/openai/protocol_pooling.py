@@ -1,26 +1,40 @@
 """Pydantic models of the pooling endpoints, in vLLM's request and response shapes.
 
 /v1/embeddings (OpenAI's: input as a string, strings, token ids or lists of them; encoding_format
-float or base64; dimensions for Matryoshka models; user), /pooling, /classify, /score (text_1
-against text_2) and /rerank = /v1/rerank (Jina / Cohere: query, documents, top_n,
-return_documents). vLLM's extra fields ride along with vLLM's names (truncate_prompt_tokens,
-add_special_tokens, priority, request_id, normalize, use_activation and its older spelling
-activation). Unknown fields are refused by name, as on every endpoint (OpenAIRequest).
+float or base64; dimensions for Matryoshka models; user) or, instead of input, a chat
+conversation (vLLM's EmbeddingChatRequest: messages rendered with the chat template), /pooling
+(the same two forms), /classify, /score (text_1 against text_2) and /rerank = /v1/rerank =
+/v2/rerank (Jina / Cohere: query, documents, top_n, return_documents). vLLM's extra fields ride
+along with vLLM's names (truncate_prompt_tokens, add_special_tokens, priority, request_id,
+normalize, use_activation and its older spelling activation). Unknown fields are refused by name,
+as on every endpoint (OpenAIRequest).
+
+The field groups are written once, as mixins that the request models combine: what every pooling
+request takes (PoolingFields), a prompt as `input` (InputFields) or as a conversation
+(ChatFields), how vectors come back (VectorFields) and the classifier's activation
+(ActivationFields).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
-from ember.entrypoints.openai.protocol import OpenAIModel, OpenAIRequest, UsageInfo, random_id
+from ember.entrypoints.openai.protocol import (
+    ChatMessage,
+    OpenAIModel,
+    OpenAIRequest,
+    UsageInfo,
+    random_id,
+)
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
-class PoolingExtras(OpenAIRequest):
+# ---- field groups (no endpoint takes one alone) -------------------------------------------
+class PoolingFields(OpenAIRequest):
     """What every pooling request takes."""
 
     model: str | None = None
@@ -30,42 +44,86 @@ class PoolingExtras(OpenAIRequest):
     request_id: str | None = Field(default=None, max_length=256)
 
 
-class EmbeddingRequest(PoolingExtras):
+class InputFields(PoolingFields):
+    """The prompts as OpenAI's `input` (texts or token ids)."""
+
     input: PromptInput
+    add_special_tokens: bool = True
+
+
+class ChatFields(PoolingFields):
+    """The prompt as one conversation rendered by the chat template (vLLM's defaults: no
+    generation prompt, no special tokens beyond what the template writes)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+
+class VectorFields(PoolingFields):
+    """How pooled vectors come back."""
+
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
-    add_special_tokens: bool = True
     normalize: bool | None = None
 
 
-class PoolingRequest(EmbeddingRequest):
-    """/pooling: the model's pooled output as it is (an embedding, or class probabilities)."""
+class ActivationFields(PoolingFields):
+    """A classifier's output activation (sigmoid / softmax), on by default."""
 
     use_activation: bool | None = None
     activation: bool | None = None  # vLLM's older name of use_activation
 
 
-class ClassificationRequest(PoolingExtras):
-    input: PromptInput
-    add_special_tokens: bool = True
-    use_activation: bool | None = None
-    activation: bool | None = None
+# ---- requests -------------------------------------------------------------------------------
+class EmbeddingRequest(InputFields, VectorFields):
+    pass
 
 
-class ScoreRequest(PoolingExtras):
+class EmbeddingChatRequest(ChatFields, VectorFields):
+    pass
+
+
+class PoolingRequest(InputFields, VectorFields, ActivationFields):
+    """/pooling: the model's pooled output as it is (an embedding, or class probabilities)."""
+
+
+class PoolingChatRequest(ChatFields, VectorFields, ActivationFields):
+    pass
+
+
+class ClassificationRequest(InputFields, ActivationFields):
+    pass
+
+
+class ScoreRequest(ActivationFields):
     text_1: str | list[str]
     text_2: str | list[str]
-    use_activation: bool | None = None
-    activation: bool | None = None
 
 
-class RerankRequest(PoolingExtras):
+class RerankRequest(ActivationFields):
     query: str
     documents: list[str]
     top_n: int = Field(default=0, ge=0)  # 0: every document
     return_documents: bool = True
-    use_activation: bool | None = None
-    activation: bool | None = None
+
+
+def _prompt_form(body: Any) -> str:
+    """A body with `messages` is the chat form, anything else the input form (whose errors then
+    name what is missing or unknown)."""
+    return "chat" if isinstance(body, dict) and "messages" in body else "input"
+
+
+# What /v1/embeddings and /pooling read: one of the two forms, chosen by the `messages` key.
+EmbeddingRequestBody = Annotated[
+    Annotated[EmbeddingRequest, Tag("input")] | Annotated[EmbeddingChatRequest, Tag("chat")],
+    Discriminator(_prompt_form)]
+PoolingRequestBody = Annotated[
+    Annotated[PoolingRequest, Tag("input")] | Annotated[PoolingChatRequest, Tag("chat")],
+    Discriminator(_prompt_form)]
 
 
 # ---- responses -----------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """/v1/embeddings, /pooling and /classify, and what the score endpoints share with them.
 
+/v1/embeddings and /pooling take a chat conversation instead of `input` too (vLLM's
+EmbeddingChatRequest / PoolingChatRequest): it is rendered with the model's chat template by the
+chat endpoint's code (ServingContext.apply_chat_template) and pooled as one token-id prompt.
 Prompts are checked and tokenized in the server's tokenizer thread (one batched call, the same
 checks as LLM.embed: empty, longer than max_model_len unless truncate_prompt_tokens, ids outside
 the vocabulary), then go to the engine core in one message through AsyncLLM.pool_many. A pooling
@@ -22,9 +25,11 @@ from ember.entrypoints.openai.protocol_pooling import (
     ClassificationData,
     ClassificationRequest,
     ClassificationResponse,
+    EmbeddingChatRequest,
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingResponseData,
+    PoolingChatRequest,
     PoolingRequest,
     PoolingResponse,
     PoolingResponseData,
@@ -92,6 +97,21 @@ def prompts_from(value: PromptInput, param: str = "input") -> list[Any]:
         raise OpenAIError(f"{param} has {len(items)} items; at most {MAX_INPUTS} per request",
                           400, param=param)
     return items
+
+
+async def prompts_of(req: Any, ctx: ServingContext) -> tuple[list[Any], str, bool]:
+    """(prompts, the field they came from, add_special_tokens for text prompts) of an input or
+    a chat request; a conversation becomes one token-id prompt."""
+    if not isinstance(req, EmbeddingChatRequest | PoolingChatRequest):
+        return prompts_from(req.input), "input", req.add_special_tokens
+    if req.add_generation_prompt and req.continue_final_message:
+        raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true: "
+                          "the first extends the last message, the second opens a new one", 400,
+                          param="continue_final_message")
+    ids = await ctx.apply_chat_template(req.messages, req.add_generation_prompt,
+                                        req.continue_final_message, req.chat_template,
+                                        req.chat_template_kwargs, req.add_special_tokens)
+    return [{"prompt_token_ids": ids}], "messages", False
 
 
 def pooling_params(req: Any, task: str, ctx: ServingContext) -> PoolingParams:
@@ -179,13 +199,14 @@ def _response_id(req: Any, prefix: str) -> str:
 
 
 # ---- the endpoints -----------------------------------------------------------------------
-async def create_embedding(req: EmbeddingRequest, raw: Request, ctx: ServingContext) -> Response:
+async def create_embedding(req: EmbeddingRequest | EmbeddingChatRequest, raw: Request,
+                           ctx: ServingContext) -> Response:
     model = ctx.check_model(req.model)
     check_pooling_model(ctx, "/v1/embeddings", "embed")
-    prompts = prompts_from(req.input)
+    prompts, param, special = await prompts_of(req, ctx)
     params = pooling_params(req, "embed", ctx)
-    outs = await run_pooling(ctx, raw, req, prompts, params, "embd",
-                             add_special_tokens=req.add_special_tokens)
+    outs = await run_pooling(ctx, raw, req, prompts, params, "embd", add_special_tokens=special,
+                             param=param)
     if outs is None:
         return Response(status_code=499)  # the client left; nobody reads this
     data = [EmbeddingResponseData(index=i, embedding=encode_vector(o, req.encoding_format))
@@ -195,13 +216,14 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, ctx: ServingCont
     return JSONResponse(body.model_dump())
 
 
-async def create_pooling(req: PoolingRequest, raw: Request, ctx: ServingContext) -> Response:
+async def create_pooling(req: PoolingRequest | PoolingChatRequest, raw: Request,
+                         ctx: ServingContext) -> Response:
     model = ctx.check_model(req.model)
     kind = check_pooling_model(ctx, "/pooling")
-    prompts = prompts_from(req.input)
+    prompts, param, special = await prompts_of(req, ctx)
     params = pooling_params(req, kind, ctx)
-    outs = await run_pooling(ctx, raw, req, prompts, params, "pool",
-                             add_special_tokens=req.add_special_tokens)
+    outs = await run_pooling(ctx, raw, req, prompts, params, "pool", add_special_tokens=special,
+                             param=param)
     if outs is None:
         return Response(status_code=499)
     data = [PoolingResponseData(index=i, data=encode_vector(o, req.encoding_format))

@@ -1,4 +1,4 @@
-"""/score (= /v1/score) and /rerank (= /v1/rerank): relevance of texts to texts, vLLM's way.
+"""/score (= /v1/score) and /rerank (= /v1/rerank = /v2/rerank): relevance of texts to texts, vLLM's way.
 
 A cross-encoder (a classifier with one label) reads each pair as one prompt (`text_1 [SEP]
 text_2`, second segment marked) and its sigmoid output is the score; an embedding model scores a
