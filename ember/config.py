@@ -56,6 +56,10 @@ class EngineArgs:
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Batches in flight at once (vLLM's batch queue): None = pipeline_parallel_size, so every
+    # stage has a batch to run; 1 runs one batch at a time (no overlap of the stages). Above 1
+    # only with pipeline_parallel_size > 1.
+    max_concurrent_batches: int | None = None
     # vLLM's: "uni" (in process), "mp" (a process per rank), "ray" (an actor per rank), or a
     # plugin's executor name; None = "uni" for one rank, "mp" for more.
     distributed_executor_backend: str | None = None
@@ -153,6 +157,13 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        batches = self.max_concurrent_batches
+        if batches is not None and (not isinstance(batches, int) or isinstance(batches, bool)
+                                    or batches < 1):
+            raise ValueError(f"max_concurrent_batches must be an integer >= 1, got {batches!r}")
+        if batches is not None and batches > 1 and self.pipeline_parallel_size == 1:
+            raise ValueError(f"max_concurrent_batches={batches} needs pipeline_parallel_size > 1 "
+                             "(several batches in flight keep pipeline stages busy)")
         backend = self.distributed_executor_backend
         if backend is not None:
             from ember.registry import ExecutorRegistry
@@ -165,6 +176,12 @@ class EngineArgs:
             raise ValueError(
                 "distributed_executor_backend='uni' runs one rank in this process; "
                 f"tensor_parallel_size x pipeline_parallel_size = {world} ranks need 'mp' or 'ray'")
+
+    def concurrent_batches(self) -> int:
+        """Batches the engine core keeps in flight (max_concurrent_batches resolved)."""
+        if self.max_concurrent_batches is not None:
+            return self.max_concurrent_batches
+        return self.pipeline_parallel_size
 
     def executor_backend(self) -> str:
         """The executor registry name this engine runs on."""

@@ -212,8 +212,10 @@ def test_mp_tp2_llama_then_worker_killed(models):
 
 @pytest.mark.slow
 def test_mp_tp2_pp2_qwen3_more_ranks_than_kv_heads(models):
-    """Async scheduling on: the workers launch step N+1 before resolving step N."""
-    _check_layout(models, "qwen3_one_kv_head", "tp2pp2", "mp", async_scheduling=True)
+    """Async scheduling on: the workers launch step N+1 before resolving step N. One batch in
+    flight (max_concurrent_batches=1); the batch queue is test_pipeline_overlap.py's."""
+    _check_layout(models, "qwen3_one_kv_head", "tp2pp2", "mp", async_scheduling=True,
+                  max_concurrent_batches=1)
 
 
 GRID = [(m, lay, b) for m in MODELS for lay in LAYOUTS for b in ("mp", "ray")]

@@ -65,6 +65,9 @@ FIELD_TESTS: dict[str, list[str]] = {
                              f"{HERE}::test_refused_values_name_the_field"],
     "pipeline_parallel_size": ["test_distributed.py::test_mp_tp2_pp2_qwen3_more_ranks_than_kv_heads",  # noqa: E501
                                "test_distributed.py::test_parallel_args_refused"],
+    "max_concurrent_batches": ["test_pipeline_overlap.py::test_pp2_batch_queue_equals_one_process",  # noqa: E501
+                               "test_distributed.py::test_mp_tp2_pp2_qwen3_more_ranks_than_kv_heads",  # noqa: E501
+                               "test_pipeline_overlap.py::test_max_concurrent_batches_args"],
     "distributed_executor_backend": ["test_distributed.py::test_ray_tp2_qwen3_more_ranks_than_kv_heads",  # noqa: E501
                                      "test_distributed.py::test_server_ray_pp2",
                                      "test_distributed.py::test_parallel_args_refused"],

@@ -9,6 +9,7 @@ worker.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any
@@ -77,8 +78,14 @@ class EngineCore(EngineCoreControl):
             self.async_scheduling,
             policy=args.scheduling_policy,
             structured_output=self.structured_output,
+            max_concurrent_batches=args.concurrent_batches(),
         )
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # (plan, launched step)
+        # Pipeline parallelism: up to max_concurrent_batches (plan, launched step), oldest
+        # first, and the most that were ever in flight at once (tests, benchmarks).
+        self.max_concurrent_batches = args.concurrent_batches()
+        self._batch_queue: collections.deque[tuple[SchedulerOutput, Any]] = collections.deque()
+        self.peak_batches_in_flight = 0
         self._injected_failure: str | None = None
         from ember import envs
         from ember.core.step_timer import StepTimer
@@ -122,7 +129,8 @@ class EngineCore(EngineCoreControl):
     def has_work(self) -> bool:
         if self.sleep_level:  # requests wait for wake_up (see ember.core.engine_control)
             return False
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return (self._in_flight is not None or bool(self._batch_queue)
+                or self.scheduler.has_unfinished_requests())
 
     # ---- stepping ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -132,6 +140,8 @@ class EngineCore(EngineCoreControl):
             raise RuntimeError(self._injected_failure)
         if self.sleep_level:
             return EngineCoreOutputs(timestamp=time.time())
+        if self.max_concurrent_batches > 1:
+            return self._step_batch_queue()
         timer = self.timer
         timer.start()
         structured = self.structured_output
@@ -174,6 +184,38 @@ class EngineCore(EngineCoreControl):
         if plan.grammar_deferred:
             self._finish_sampling(plan, grammar_rows)
         return self._report_failed(outputs)
+
+    def _step_batch_queue(self) -> EngineCoreOutputs:
+        """Pipeline parallelism (vLLM's step_with_batch_queue): launch a new batch while fewer
+        than max_concurrent_batches are in flight and there is one to schedule (from requests
+        not in flight: the scheduler's rule), so the first stage runs batch k+1 while the next
+        runs batch k; otherwise wait for the oldest batch and fold it in. Results come in
+        order. A request's token is known before it is scheduled again, so its grammar bitmask
+        is filled at once (no deferred sampling)."""
+        queue, scheduler, structured = self._batch_queue, self.scheduler, self.structured_output
+        timer = self.timer
+        timer.start()
+        if len(queue) < self.max_concurrent_batches and scheduler.has_unfinished_requests():
+            plan = scheduler.schedule()
+            if structured.in_use and plan.scheduled_requests:
+                grammar_rows = structured.sampling_rows(plan)
+                if grammar_rows:
+                    plan.grammar_bitmask = structured.fill(grammar_rows)
+            timer.mark("schedule")
+            if not plan.is_empty:
+                queue.append((plan, self.executor.launch(plan)))
+                timer.mark("prepare")
+                self.peak_batches_in_flight = max(self.peak_batches_in_flight, len(queue))
+                if len(queue) < self.max_concurrent_batches:
+                    return self._report_failed(EngineCoreOutputs(timestamp=time.time()))
+        if not queue:
+            if scheduler.compiling:
+                structured.wait(0.01)  # only grammars being built: don't spin
+            return self._report_failed(EngineCoreOutputs(timestamp=time.time()))
+        plan, launched = queue.popleft()
+        result = launched.resolve()
+        timer.mark("wait")
+        return self._report_failed(self._fold_in(plan, result))
 
     def _finish_sampling(self, plan: SchedulerOutput, grammar_rows: list) -> None:
         """Fill the in-flight step's bitmask from the grammars' current states and launch its

@@ -46,6 +46,7 @@ class Scheduler:
         async_scheduling: bool = False,
         policy: str = "fcfs",
         structured_output=None,
+        max_concurrent_batches: int = 1,
     ) -> None:
         self.kv = kv_cache_manager
         self.policy = policy
@@ -66,6 +67,10 @@ class Scheduler:
         # Workers keep a preempted request's state (its generator) until it finishes.
         self._worker_states: set[str] = set()
         self.num_preemptions = 0
+        # Pipeline parallel batch queue: several batches in flight, a request in at most one of
+        # them (its next token is then known when it is scheduled again).
+        self.max_concurrent_batches = max_concurrent_batches
+        self.in_flight_ids: set[str] = set()
 
     # ---- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -131,6 +136,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted_now = False
         scheduled: list[Request] = []
+        batch_queue = self.max_concurrent_batches > 1
+        in_flight, max_seqs = self.in_flight_ids, self.max_num_seqs
+        if batch_queue:
+            # A batch takes its share of the requests, so the next batch (scheduled while this
+            # one runs on the first stage) has requests left to run on it.
+            wanted = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+            max_seqs = -(-wanted // self.max_concurrent_batches)
 
         idx = 0
         running, max_model_len = self.running, self.max_model_len
@@ -138,6 +150,9 @@ class Scheduler:
         # are read directly rather than through Request's properties.
         while idx < len(running) and budget > 0:
             request = running[idx]
+            if batch_queue and (request.request_id in in_flight or len(scheduled) >= max_seqs):
+                idx += 1  # in a batch in flight, or this batch has its share
+                continue
             pending = request.num_output_placeholders
             if pending and (len(request.output_token_ids) + pending
                             >= request.sampling_params.max_tokens):
@@ -177,8 +192,11 @@ class Scheduler:
             and budget > 0
             and not preempted_now
             and len(self.running) < self.max_num_seqs
+            and len(scheduled) < max_seqs
         ):
             request = self.waiting[0]
+            if batch_queue and request.request_id in in_flight:
+                break  # preempted while its batch is in flight: it waits for that batch
             hits, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -220,6 +238,10 @@ class Scheduler:
                 request.num_output_placeholders += 1  # its sampled token is known after the step
         out.scheduled_requests = scheduled
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        if batch_queue:
+            if out.is_empty:  # not launched: the workers hear of these with the next batch
+                self._finished_ids |= out.finished_req_ids
+            in_flight.update(num_scheduled)
         return out
 
     def _lower_ranked_running(self, request: Request) -> Request | None:
@@ -283,10 +305,13 @@ class Scheduler:
         now = time.time()
         touched: list[Request] = []
         sampled, max_model_len = result.sampled_token_ids, self.max_model_len
+        in_flight = self.in_flight_ids
         for request in out.scheduled_requests:
+            req_id = request.request_id
+            if in_flight:
+                in_flight.discard(req_id)
             if request.status >= RequestStatus.FINISHED_STOPPED:  # aborted/stopped meanwhile
                 continue
-            req_id = request.request_id
             token = sampled.get(req_id)
             if token is None:
                 if req_id in result.prompt_logprobs:

@@ -66,10 +66,12 @@ class Communicator:
             out.append(t)
         return out
 
-    def broadcast_from_driver(self, x: torch.Tensor) -> None:
-        """In place: every rank gets the driver's `x` (the sampled tokens)."""
+    def broadcast_from_driver(self, x: torch.Tensor, async_op: bool = False) -> Any:
+        """In place: every rank gets the driver's `x` (the sampled tokens). With `async_op` it
+        returns at once with a work handle; `x` is valid after its `wait()` (an earlier pipeline
+        stage starts its next batch meanwhile)."""
         src = ps.driver_rank(self.state.tp_size, self.state.pp_size)
-        dist.broadcast(x, src, group=self.state.world_group)
+        return dist.broadcast(x, src, group=self.state.world_group, async_op=async_op)
 
     def min_over_world(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)

@@ -105,6 +105,8 @@ def _serve(worker, cmd: zmq.Socket, out: zmq.Socket, parent: int) -> None:
         if result is not None:
             out.send(b"S" + pickle.dumps((seq, result), protocol=pickle.HIGHEST_PROTOCOL))
 
+    if worker.max_concurrent_batches > 1:
+        return _serve_batch_queue(worker, cmd, out, parent)
     while True:
         if pending is not None and not cmd.poll(overlap_ms):
             finish()
@@ -125,6 +127,39 @@ def _serve(worker, cmd: zmq.Socket, out: zmq.Socket, parent: int) -> None:
         if pending is not None:
             finish()
         if kind == b"R":
+            call_id, method, args, kwargs = loads(message[1:])
+            try:
+                reply = ("ok", worker.rpc(method, args, kwargs))
+                payload = dumps(("rpc", call_id, worker.rank, reply), "the collective_rpc result")
+            except Exception as exc:
+                payload = dumps(("rpc", call_id, worker.rank, ("error", exc)), "an rpc error")
+            out.send(b"R" + payload)
+        elif kind == b"Q":
+            return
+
+
+def _serve_batch_queue(worker, cmd: zmq.Socket, out: zmq.Socket, parent: int) -> None:
+    """Pipeline parallel with several batches in flight: a rank of an earlier stage launches
+    each step and goes on to the next (RankWorker.launch_queued keeps it); the last stage runs
+    each step to the end, and the driver sends its result back, so results come in order."""
+    from ember.pickling import dumps, loads
+
+    while True:
+        if not cmd.poll(PARENT_CHECK_MS):
+            if os.getppid() != parent:
+                return
+            continue
+        message = cmd.recv()
+        kind = message[:1]
+        if kind == b"S":
+            seq, plan = pickle.loads(message[1:])
+            step = worker.launch_queued(plan)
+            result = None if step is None else worker.finish(step)
+            if result is not None:
+                out.send(b"S" + pickle.dumps((seq, result), protocol=pickle.HIGHEST_PROTOCOL))
+            continue
+        if kind == b"R":
+            worker.drain()
             call_id, method, args, kwargs = loads(message[1:])
             try:
                 reply = ("ok", worker.rpc(method, args, kwargs))

@@ -56,10 +56,16 @@ class RankActor:
         return self.worker.info
 
     def execute(self, plan: SchedulerOutput) -> Any:
-        return self.worker.execute(plan)
+        worker = self.worker
+        if worker.max_concurrent_batches > 1:  # batch queue: an earlier stage returns at once
+            step = worker.launch_queued(plan)
+            return None if step is None else worker.finish(step)
+        return worker.execute(plan)
 
     def rpc(self, method: Any, args: tuple, kwargs: dict | None) -> Any:
         from ember.pickling import dumps, loads
+
+        self.worker.drain()
 
         method, args, kwargs = loads(method), args, kwargs
         try:

@@ -9,6 +9,9 @@ the hidden states and residual, one that is not the last sends them on). What th
 - the driver rank (tensor-parallel rank 0 of the last stage) broadcasts the sampled tokens to
   every rank before they are attached, so every rank keeps the same output tokens (the next
   step's inputs, and async scheduling's placeholders) whatever the sampler's randomness.
+- with several batches in flight (`overlap_stages`), an earlier stage posts that broadcast
+  without waiting and attaches the tokens when the step is resolved, so it can run batch k+1
+  while the last stage still runs batch k.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ if TYPE_CHECKING:
 
 
 class ParallelModelRunner(ModelRunner):
+    # Set by RankWorker when several batches are in flight (pipeline parallel batch queue): an
+    # earlier stage then receives the sampled tokens without waiting for them.
+    overlap_stages = False
+
     def _sampling_logits(self, batch: FlatBatch, hidden: torch.Tensor,
                          ) -> tuple[list[CachedRequestState], torch.Tensor | None]:
         if ps.is_last_stage():
@@ -47,8 +54,22 @@ class ParallelModelRunner(ModelRunner):
             first = args[0]
             rows = first if isinstance(first, list) else self._sampling_rows(first)
             sampled = torch.empty(len(rows), dtype=torch.int64, device=self.device)
-            comm.broadcast_from_driver(sampled)
-            step.attach_samples(rows, sampled, None)
+            if not self.overlap_stages:
+                comm.broadcast_from_driver(sampled)
+                step.attach_samples(rows, sampled, None)
+                return
+            # Batch queue: this stage goes on to the next batch while the last stage runs this
+            # one, so the tokens arrive later; they are attached when the step is resolved,
+            # which the rank does before its requests are scheduled again (RankWorker).
+            work = comm.broadcast_from_driver(sampled, async_op=True)
+
+            def wait_then_resolve():
+                del step.resolve  # back to InFlightStep.resolve
+                work.wait()
+                step.attach_samples(rows, sampled, None)
+                return step.resolve()
+
+            step.resolve = wait_then_resolve  # type: ignore[method-assign]
             return
         attach = step.attach_samples
 

@@ -10,6 +10,7 @@ the last pipeline stage) returns the step's ModelRunnerOutput; the others return
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -68,6 +69,16 @@ class RankWorker:
                             platform.communicator_cls(), platform.device())
         built = build_worker(args)
         self.is_driver = is_driver()
+        from ember.distributed.parallel_state import is_last_stage
+
+        # Pipeline parallel batch queue: up to this many batches in flight. A rank of an earlier
+        # stage keeps its launched steps here (with their request ids) and resolves one only
+        # when a later batch needs its tokens, so it runs batch k+1 while the last stage runs k.
+        self.max_concurrent_batches = args.concurrent_batches()
+        self.is_last_stage = is_last_stage()
+        self.queued: collections.deque[tuple[InFlightStep, set[str]]] = collections.deque()
+        if self.max_concurrent_batches > 1:
+            built.runner.overlap_stages = True
         self.async_scheduling = (platform.async_scheduling_default
                                  if args.async_scheduling is None else args.async_scheduling)
         self.runner = built.runner
@@ -88,6 +99,31 @@ class RankWorker:
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.finish(self.launch(plan))
+
+    def launch_queued(self, plan: SchedulerOutput) -> InFlightStep | None:
+        """Batch queue: launch a step; the last stage's step is returned (finish it at once),
+        an earlier stage's is queued (None). Queued steps that share a request with this plan
+        are resolved first, with every step before them: this request's tokens are inputs now,
+        and the engine core schedules a request only after its previous batch returned, so
+        those steps are done on the last stage already."""
+        queued = self.queued
+        req_ids = plan.num_scheduled_tokens.keys()
+        needed = len(queued) - self.max_concurrent_batches + 1  # keep the queue bounded
+        for i, (_, ids) in enumerate(queued):
+            if not ids.isdisjoint(req_ids):
+                needed = i + 1
+        for _ in range(needed):
+            queued.popleft()[0].resolve()
+        step = self.launch(plan)
+        if self.is_last_stage:
+            return step
+        queued.append((step, set(req_ids)))
+        return None
+
+    def drain(self) -> None:
+        """Resolve every queued step (before an RPC, or closing)."""
+        while self.queued:
+            self.queued.popleft()[0].resolve()
 
     def rpc(self, method: str | Callable[..., Any], args: tuple = (),
             kwargs: dict[str, Any] | None = None) -> Any:
