@@ -16,33 +16,16 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
-
 from ember.layers.linear import Linear, LinearMethod
 from ember.quantization.base import QuantizationMethod
 from ember.quantization.checkpoint_config import first_of, module_skipped, quantization_config_dict
-from ember.quantization.int4_common import PACK, check_int4_shapes
-from ember.quantization.int4_linear import Int4LinearMethod, int_param, scales_dtype
+from ember.quantization.int4_linear import Int4LinearMethod
 
 
 class AWQLinearMethod(Int4LinearMethod):
-    """Creates and loads the AWQ tensors; they already are ember's in-memory form."""
+    """AWQ's tensors already are ember's in-memory form: they load as they are."""
 
-    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
-                       dtype: torch.dtype) -> None:  # fmt: skip
-        out = sum(output_sizes)
-        group = check_int4_shapes(input_size, out, self.group_size, layer.prefix or "layer")
-        for size in output_sizes:
-            if size % PACK:
-                raise ValueError(f"{layer.prefix}: AWQ packs 8 outputs per int32; a shard of "
-                                 f"{size} outputs cannot be loaded")
-        groups = input_size // group
-        attrs = self.awq_attrs()
-        layer.register_weight("qweight", int_param(input_size, out // PACK), attrs["qweight"])
-        layer.register_weight("qzeros", int_param(groups, out // PACK), attrs["qzeros"])
-        scales = torch.zeros(groups, out, dtype=scales_dtype(dtype))
-        layer.register_weight("scales", torch.nn.Parameter(scales, requires_grad=False),
-                              attrs["scales"])
+    format_name = "AWQ"
 
 
 class AWQQuantization(QuantizationMethod):

@@ -24,13 +24,8 @@ import torch
 from ember.layers.linear import Linear, LinearMethod, param_owner
 from ember.quantization.base import QuantizationMethod
 from ember.quantization.checkpoint_config import first_of, module_skipped, quantization_config_dict
-from ember.quantization.int4_common import PACK, check_int4_shapes, gptq_to_awq
-from ember.quantization.int4_linear import (
-    Int4LinearMethod,
-    int_param,
-    replace_weight,
-    scales_dtype,
-)
+from ember.quantization.int4_common import PACK, gptq_to_awq
+from ember.quantization.int4_linear import Int4LinearMethod, int_param, replace_weight
 
 
 def _load_g_idx(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
@@ -56,27 +51,22 @@ class GPTQLinearMethod(Int4LinearMethod):
         self.zero_offset = zero_offset
         self.desc_act = desc_act
 
-    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
-                       dtype: torch.dtype) -> None:  # fmt: skip
-        out = sum(output_sizes)
-        group = check_int4_shapes(input_size, out, self.group_size, layer.prefix or "layer")
-        for size in output_sizes:
-            if size % PACK:
-                raise ValueError(f"{layer.prefix}: GPTQ packs 8 zero points per int32; a shard "
-                                 f"of {size} outputs cannot be loaded")
+    format_name = "GPTQ"
+
+    def qweight_shape(self, input_size: int, output_size: int) -> tuple[int, int]:
+        return input_size // PACK, output_size  # 8 input rows per int32
+
+    def checkpoint_attrs(self) -> dict[str, dict[str, Any]]:
+        attrs = self.awq_attrs()
+        attrs["qweight"] = {"output_dim": 1, "input_dim": 0, "packed_dim": 0,
+                            "packed_factor": PACK}
+        return attrs
+
+    def create_extra_weights(self, layer: Linear, input_size: int,
+                             output_sizes: list[int]) -> None:  # fmt: skip
         if self.desc_act and layer.tp_size > 1 and layer.tp_split == "input":
             raise ValueError(f"{layer.prefix}: GPTQ with desc_act cannot be split by input "
                              "features over tensor-parallel ranks")
-        groups = input_size // group
-        layer.register_weight("qweight", int_param(input_size // PACK, out),
-                              {"output_dim": 1, "input_dim": 0, "packed_dim": 0,
-                               "packed_factor": PACK})
-        layer.register_weight("qzeros", int_param(groups, out // PACK),
-                              {"output_dim": 1, "input_dim": 0, "packed_dim": 1,
-                               "packed_factor": PACK})
-        scales = torch.zeros(groups, out, dtype=scales_dtype(dtype))
-        layer.register_weight("scales", torch.nn.Parameter(scales, requires_grad=False),
-                              {"output_dim": 1, "input_dim": 0})
         layer.register_weight("g_idx", int_param(len(output_sizes), input_size),
                               {"input_dim": 1, "weight_loader": _load_g_idx})
 

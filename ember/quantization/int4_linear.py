@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.layers.linear import Linear, LinearMethod
-from ember.quantization.int4_common import PACK, dequantize_awq
+from ember.quantization.int4_common import PACK, check_int4_shapes, dequantize_awq
 
 GEMV_MAX_ROWS = 16
 
@@ -74,10 +74,45 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
 
 
 class Int4LinearMethod(LinearMethod):
-    """What AWQ's and GPTQ's methods share once the weight is in ember's form."""
+    """What AWQ's and GPTQ's methods share: the checkpoint's three tensors (``qweight``,
+    ``qzeros``, ``scales``) created in the checkpoint's layout, and, once the weight is in
+    ember's form, the matmul. A format says its name, its ``qweight`` layout and any extra
+    tensor (``create_extra_weights``)."""
+
+    format_name = "int4"
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size  # -1: one group over all input features
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:  # fmt: skip
+        out = sum(output_sizes)
+        group = check_int4_shapes(input_size, out, self.group_size, layer.prefix or "layer")
+        for size in output_sizes:
+            if size % PACK:  # qzeros (and AWQ's qweight) pack 8 outputs per int32
+                raise ValueError(f"{layer.prefix}: {self.format_name} packs 8 outputs per int32; "
+                                 f"a shard of {size} outputs cannot be loaded")
+        groups = input_size // group
+        attrs = self.checkpoint_attrs()
+        layer.register_weight("qweight", int_param(*self.qweight_shape(input_size, out)),
+                              attrs["qweight"])
+        layer.register_weight("qzeros", int_param(groups, out // PACK), attrs["qzeros"])
+        scales = torch.zeros(groups, out, dtype=scales_dtype(dtype))
+        layer.register_weight("scales", nn.Parameter(scales, requires_grad=False),
+                              attrs["scales"])
+        self.create_extra_weights(layer, input_size, output_sizes)
+
+    def qweight_shape(self, input_size: int, output_size: int) -> tuple[int, int]:
+        """The checkpoint's qweight shape (ember's own form: [in, out/8])."""
+        return input_size, output_size // PACK
+
+    def checkpoint_attrs(self) -> dict[str, dict[str, Any]]:
+        """Loading metadata of the checkpoint's tensors (ember's own form by default)."""
+        return self.awq_attrs()
+
+    def create_extra_weights(self, layer: Linear, input_size: int,
+                             output_sizes: list[int]) -> None:  # fmt: skip
+        """Tensors a format has besides the three (GPTQ's g_idx)."""
 
     def _group(self, layer: Linear) -> int:
         return layer.in_features if self.group_size == -1 else self.group_size
