@@ -3,6 +3,8 @@
 Each step's SchedulerOutput goes to every rank (one ZeroMQ PUSH socket per rank, the same bytes);
 the driver rank (tensor-parallel rank 0 of the last pipeline stage) sends the ModelRunnerOutput
 back on a PULL socket. The ranks join torch.distributed through a file in a private directory.
+With pipeline parallelism's batch queue (several batches in flight) a rank of an earlier stage
+does not wait for a step's tokens before taking the next step (`_serve_batch_queue`).
 Registrations and the plugin table reach each process through `ember.registry.snapshot()`.
 
 Faults: the result socket is polled together with every worker's process sentinel, so a worker
