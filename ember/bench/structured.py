@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -132,6 +133,7 @@ def run(ns: argparse.Namespace) -> dict:
         "constrained_tok_s": tokens / constrained_s, "unconstrained_tok_s": tokens / plain_s,
         "constrained_over_unconstrained": plain_s / constrained_s,
         "compile": compile_stats,
+        "load_average": list(os.getloadavg()),  # a shared machine: how busy it was
     }
     if constrained_timing is not None:  # EMBER_STEP_TIMING=1: ms per step in each phase
         result["step_ms"] = {"constrained": constrained_timing, "unconstrained": plain_timing}

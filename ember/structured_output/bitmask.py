@@ -41,12 +41,15 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
     In place because a copy of the logits costs as much as the masking itself (the sampler's
     caller hands it logits made for sampling)."""
     vocab = logits.shape[-1]
-    if logits.device.type == "cpu" and bitmask.shape[1] * 32 >= vocab:
+    if logits.device.type == "cpu":
         try:
             from xgrammar import apply_token_bitmask_inplace
         except ImportError:
             pass
         else:
+            words = (vocab + 31) // 32
+            if bitmask.shape[1] < words:  # the kernel wants every token's bit: pad with "no"
+                bitmask = torch.nn.functional.pad(bitmask, (0, words - bitmask.shape[1]))
             indices = None if rows is None else (row_list if row_list is not None else rows.tolist())
             apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices)
             return logits

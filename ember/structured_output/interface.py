@@ -130,7 +130,8 @@ class StructuredOutputBackend(ABC):
     @abstractmethod
     def __init__(self, tokenizer: Any, vocab_size: int, config: StructuredOutputsConfig) -> None:
         """Build the tokenizer tables (once per engine, on a worker thread). `vocab_size` is the
-        bitmask's width in tokens (the model's logits width, or more)."""
+        bitmask's width in tokens: the tokenizer's ids (a model's vocabulary padded past them is
+        not: no grammar allows those ids, and the sampler disallows the logits past the end)."""
 
     @abstractmethod
     def compile(self, spec: GrammarSpec) -> Any:

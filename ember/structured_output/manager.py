@@ -106,7 +106,7 @@ class StructuredOutputManager:
             if backend is None:
                 if self._tokenizer is None:
                     self._tokenizer = self._load_tokenizer()
-                    self.vocab_size = max(self.vocab_size, len(self._tokenizer))
+                    self.vocab_size = self._grammar_vocab_size(self._tokenizer)
                     if self.config.reasoning_parser and not self.config.enable_in_reasoning:
                         self._gate = ReasoningGate(self.config.reasoning_parser,
                                                    self._tokenizer)
@@ -114,6 +114,16 @@ class StructuredOutputManager:
                                                        self.config)
                 self._backends[name] = backend
             return backend
+
+    def _grammar_vocab_size(self, tokenizer: Any) -> int:
+        """The bitmask's width in tokens: the ids the tokenizer has, not the model's logits width.
+        A model's vocabulary is often padded past its tokenizer's (Qwen3: 267 ids; a checkpoint
+        with another model's tokenizer: 100k); no grammar allows those ids, and the sampler
+        disallows the logits past the bitmask's end. Narrower also because xgrammar counts every
+        id past the tokenizer as a special token and scans them all in each accept_token (about
+        0.5 ns an id: 48 us a token with a 49k tokenizer in a 152k vocabulary, 2 us without)."""
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        return max(len(tokenizer), max(vocab.values(), default=-1) + 1)
 
     def _compile(self, backend: StructuredOutputBackend, name: str, spec: GrammarSpec) -> Any:
         key = (name, spec.key)
@@ -195,41 +205,50 @@ class StructuredOutputManager:
         return self.fill(rows) if rows else None
 
     def fill(self, requests: list[Request]) -> GrammarBitmask:
-        """The bitmask of `requests` (row i for requests[i]), from their grammars' current
-        states; each backend fills its rows in one call (in parallel where it can)."""
+        """The bitmask of those of `requests` that sample under their grammar now (row i for
+        req_ids[i]), from their grammars' current states; each backend fills its rows in one
+        call (in parallel where it can). Left out, so unmasked: requests finished by the token
+        folded in last (their sample is dropped), still reasoning, or with a complete grammar."""
         import numpy as np
         import torch
 
-        words = (self.vocab_size + 31) // 32
+        constrained: list[Request] = []
+        by_backend: dict[str, tuple[list, list[int]]] = {}
+        undecided = []
+        for request in requests:
+            so = request.structured_output
+            if request.status >= RequestStatus.FINISHED_STOPPED or so.state == REASONING:
+                continue
+            outputs = request.output_token_ids
+            grammar = so.grammar
+            if so.num_accepted < len(outputs) - so.start:  # replay what it has not seen
+                while so.num_accepted < len(outputs) - so.start:
+                    grammar.accept_token(outputs[so.start + so.num_accepted])
+                    so.num_accepted += 1
+                if grammar.is_terminated():
+                    continue
+            # (else it is not complete: accept() finished the request when it completed)
+            row = len(constrained)
+            constrained.append(request)
+            if so.state == UNDECIDED:
+                undecided.append(row)
+            entry = by_backend.get(so.backend)
+            if entry is None:
+                entry = by_backend[so.backend] = ([], [])
+            entry[0].append(grammar)
+            entry[1].append(row)
         # numpy, not torch.full: a torch op on the host wakes its thread pool, whose spinning
         # threads then compete with the grammar backends' fill threads (4x slower on an H200
         # host with 16 cores).
-        array = np.full((len(requests), words), -1, dtype=np.int32)
+        array = np.full((len(constrained), (self.vocab_size + 31) // 32), -1, dtype=np.int32)
         bitmask = torch.from_numpy(array)
-        by_backend: dict[str, tuple[list, list[int]]] = {}
-        undecided = []
-        for i, request in enumerate(requests):
-            so = request.structured_output
-            if request.status >= RequestStatus.FINISHED_STOPPED or so.state == REASONING:
-                continue  # finished by the token folded in last (its sample is dropped), or
-                # still reasoning: unconstrained
-            if so.state == UNDECIDED:
-                undecided.append(i)
-            outputs = request.output_token_ids
-            while so.num_accepted < len(outputs) - so.start:  # replay what it has not seen
-                so.grammar.accept_token(outputs[so.start + so.num_accepted])
-                so.num_accepted += 1
-            if not so.grammar.is_terminated():
-                grammars, rows = by_backend.setdefault(so.backend, ([], []))
-                grammars.append(so.grammar)
-                rows.append(i)
         for name, (grammars, rows) in by_backend.items():
             self._backends[name].fill_bitmasks(grammars, bitmask, rows)
         if undecided:  # the first token may also open a reasoning block
             start_id = self._gate.start_id  # type: ignore[union-attr]
             word, bit = divmod(start_id, 32)
             array[undecided, word] |= np.array(1 << bit, dtype=np.int64).astype(np.int32)
-        return GrammarBitmask([r.request_id for r in requests], bitmask)
+        return GrammarBitmask([r.request_id for r in constrained], bitmask)
 
     def shutdown(self) -> None:
         if self._pool is not None:
