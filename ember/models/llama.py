@@ -301,9 +301,11 @@ class LlamaForCausalLM(nn.Module):
         within a fused projection; the loader narrows, checks shapes, casts and copies);
         ValueError on unknown, missing or mis-shaped names. Returns the names loaded. What the
         quantization method does after loading is the engine's next step
-        (ember.quantization.base.finish_loading)."""
+        (ember.quantization.base.finish_loading). Subclasses with other tensors (stacked
+        experts) override ``_target``, ``_copy_shard`` and ``_check_complete``."""
         params = bind_weight_loaders(self)
         loaded: set[str] = set()
+        filled: dict[str, set[Any]] = {}  # our parameter name -> the shards loaded into it
         unknown: list[str] = []
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
@@ -317,16 +319,25 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 unknown.append(name)
                 continue
-            param._ember_name = name  # type: ignore[attr-defined]  # errors name the HF weight
-            weight_loader(param)(param, tensor, shard)
+            self._copy_shard(target, param, tensor, shard, name)
+            filled.setdefault(target, set()).add(shard)
             loaded.add(name)
         if unknown:
-            raise ValueError(f"unknown weights for {type(self).__name__}: {_names(unknown)}")
-        missing = self.expected_weight_names() - loaded
-        if missing:
-            raise ValueError(f"weights missing from the checkpoint: {_names(missing)}")
+            raise ValueError(f"unknown weights for {type(self).__name__}: {listed_names(unknown)}")
+        self._check_complete(loaded, filled)
         return loaded
 
+    def _copy_shard(self, name: str, param: nn.Parameter, tensor: torch.Tensor, shard: Any,
+                    hf_name: str) -> None:  # fmt: skip
+        """Load one tensor through its parameter's ``weight_loader`` (the linear contract's)."""
+        param._ember_name = hf_name  # type: ignore[attr-defined]  # errors name the HF weight
+        weight_loader(param)(param, tensor, shard)
+
+    def _check_complete(self, loaded: set[str], filled: dict[str, set[Any]]) -> None:
+        """ValueError naming the weights the checkpoint lacked."""
+        missing = self.expected_weight_names() - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {listed_names(missing)}")
 
     def _other_stage(self, name: str) -> bool:
         """Whether `name` belongs to a layer (or the embedding, norm, head) another pipeline
@@ -344,7 +355,8 @@ class StageMissingLayer(nn.Module):
     """A decoder layer another pipeline stage holds (no parameters, never called)."""
 
 
-def _names(names: Iterable[str], limit: int = 20) -> str:
+def listed_names(names: Iterable[str], limit: int = 20) -> str:
+    """Sorted names for an error message, the first `limit` of them."""
     names = sorted(names)
     more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more

@@ -11,19 +11,15 @@ saved in transformers 5's fused layout (``experts.gate_up_proj`` [E, 2I, H],
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from ember.attention_backends.base import AttentionBackend
-from ember.layers.linear import bind_weight_loaders, weight_loader
 from ember.layers.moe import FusedMoE, SparseMoeBlock, load_expert_weight
-from ember.models.llama import LlamaForCausalLM
+from ember.models.llama import LlamaForCausalLM, listed_names
 
-# HF buffers some checkpoints carry; they are recomputed, never loaded.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # HF dense projection -> (our fused projection, shard index)
 _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -153,51 +149,22 @@ class MoeForCausalLM(LlamaForCausalLM):
             except ValueError as e:
                 raise ValueError(f"weight {hf_name!r}: {e}") from e
             return
-        param._ember_name = hf_name  # type: ignore[attr-defined]  # errors name the HF weight
-        weight_loader(param)(param, tensor, shard)  # the linear-layer contract's loader
+        super()._copy_shard(name, param, tensor, shard, hf_name)
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors in (casting dtype, moving device); ValueError on unknown,
-        missing or mis-shaped names. Returns the names loaded."""
-        params = bind_weight_loaders(self)  # each parameter knows its layer and name
-        required = self._required()
-        got: dict[str, set[Any]] = {}
-        loaded: set[str] = set()
-        unknown: list[str] = []
-        for hf_name, tensor in weights:
-            if hf_name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # tied: HF ties it to embed_tokens, and so do we
-            name, shard = self._target(hf_name)
-            param = params.get(name)
-            if param is None:
-                unknown.append(hf_name)
-                continue
-            self._copy_shard(name, param, tensor, shard, hf_name)
-            got.setdefault(name, set()).add(shard)
-            loaded.add(hf_name)
-        if unknown:
-            raise ValueError(f"unknown weights for {type(self).__name__}: {_names(unknown)}")
+    def _check_complete(self, loaded: set[str], filled: dict[str, set[Any]]) -> None:
+        """By shards, not names: a stacked expert tensor is whole once every expert's shards
+        came, whether named one by one or in transformers 5's fused layout."""
         missing = []
-        for name, shards in required.items():
-            have = got.get(name, set())
+        for name, shards in self._required().items():
+            have = filled.get(name, set())
             if None in have or (shards and shards <= have):
                 continue  # filled whole, or by every shard
             missing.append(name if not shards else f"{name} (shards {_shards(shards - have)})")
         if missing:
-            raise ValueError(f"weights missing from the checkpoint: {_names(missing)}")
-        return loaded
+            raise ValueError(f"weights missing from the checkpoint: {listed_names(missing)}")
 
 
 def _shards(shards: set[Any], limit: int = 8) -> str:
     listed = sorted(shards, key=str)
     more = f" ... and {len(listed) - limit} more" if len(listed) > limit else ""
     return ", ".join(map(str, listed[:limit])) + more
-
-
-def _names(names: Iterable[str], limit: int = 20) -> str:
-    names = sorted(names)
-    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
