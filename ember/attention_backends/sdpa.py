@@ -186,7 +186,8 @@ class SdpaImpl(AttentionImpl):
         plan = self._plan(metadata)
         n = metadata.num_actual_tokens
         out = query.new_empty(query.shape[0], self.num_heads * self.head_size)
-        out[n:] = 0  # padding rows: defined values are cheaper to debug than garbage
+        if n < out.shape[0]:
+            out[n:] = 0  # padding rows: defined values are cheaper to debug than garbage
         self._store_kv(key, value, kv_cache, plan)
         if metadata.num_decode_tokens > 0:
             self._decode(query, kv_cache, plan, out)

@@ -93,6 +93,25 @@ def longrope_settings(config: Any, scaling: dict[str, Any]) -> tuple[bool, float
     return max_len > original, float(scale)
 
 
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [T, Hq, D] and k [T, Hk, D] as one [T, Hq + Hk, D] view when k's heads directly follow
+    q's in memory (both views of one fused qkv output), else None."""
+    if q.dim() != 3 or k.dim() != 3 or q.dtype != k.dtype or q.device != k.device:
+        return None
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.stride()[1:] != k.stride()[1:]:
+        return None
+    if q.shape[0] > 1 and q.stride(0) != k.stride(0):  # a size-1 dim's stride is arbitrary
+        return None
+    head_stride = q.stride(1)
+    if q.stride(2) != 1 or head_stride != q.shape[2]:
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * head_stride * q.element_size():
+        return None
+    if q.shape[0] > 1 and q.stride(0) < (q.shape[1] + k.shape[1]) * head_stride:
+        return None  # rows overlap: not two slices of one row
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates the first ``rotary_dim`` dims of each head; the rest pass through."""
 
@@ -152,6 +171,12 @@ class RotaryEmbedding(nn.Module):
         if self.use_kernel and dispatch.takes_kernel(q):
             kernels.rotary.rotary_inplace(q, k, cos, sin, self.rotary_dim)
             return q, k
+        joint = _adjacent_heads(q, k)
+        if joint is not None:
+            # One pass over q's and k's heads together: the same arithmetic per element, half
+            # the torch calls (a CPU decode step is bound by their count, not their work).
+            rotated = self.apply(joint, cos, sin)
+            return rotated[:, : q.shape[1]], rotated[:, q.shape[1] :]
         return self.apply(q, cos, sin), self.apply(k, cos, sin)
 
     def forward(

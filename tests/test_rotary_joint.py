@@ -1,0 +1,37 @@
+"""Rotary on q and k as one view of the fused qkv output: bit-identical to rotating each."""
+
+from __future__ import annotations
+
+import torch
+
+from ember.layers import rotary
+from ember.layers.rotary import RotaryEmbedding
+
+
+def _qkv(t: int, hq: int, hk: int, d: int) -> tuple[torch.Tensor, ...]:
+    qkv = torch.randn(t, (hq + 2 * hk) * d)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    return q.view(t, hq, d), k.view(t, hk, d), v
+
+
+def test_joint_rotation_equals_separate_rotation_bit_for_bit():
+    rope = RotaryEmbedding(64, 10000.0)
+    for t in (1, 5):
+        q, k, _ = _qkv(t, 9, 3, 64)
+        assert rotary._adjacent_heads(q, k) is not None
+        cos, sin = rope.cos_sin(torch.arange(7, 7 + t), torch.float32)
+        jq, jk = rope.apply_qk(q, k, cos, sin)
+        assert torch.equal(jq, rope.apply(q, cos, sin))
+        assert torch.equal(jk, rope.apply(k, cos, sin))
+        assert jq.shape == q.shape and jk.shape == k.shape
+
+
+def test_tensors_that_are_not_neighbours_rotate_separately():
+    rope = RotaryEmbedding(64, 10000.0, rotary_dim=32)  # partial rotary too
+    q, k, v = _qkv(3, 4, 2, 64)
+    assert rotary._adjacent_heads(q, v.view(3, 2, 64)) is None  # v does not follow q
+    assert rotary._adjacent_heads(q.clone(), k) is None
+    assert rotary._adjacent_heads(k, q) is None  # wrong order
+    cos, sin = rope.cos_sin(torch.arange(3), torch.float32)
+    jq, jk = rope.apply_qk(q, k, cos, sin)
+    assert torch.equal(jq, rope.apply(q, cos, sin)) and torch.equal(jk, rope.apply(k, cos, sin))
