@@ -1,9 +1,11 @@
 """The BERT encoder (BertModel as sentence-transformers ships it, BertForSequenceClassification
 for cross-encoders and classifiers): bidirectional attention over whole prompts, no KV cache.
 
-Prompts arrive packed (ember.pooling.batch.PoolingBatch): every layer but the attention core runs
-on real tokens only; q, k and v are fused at load time. Parameter names follow HF's, except
-`qkv` (HF's query, key and value).
+Prompts arrive packed (ember.pooling.batch.PoolingBatch): every layer runs on real tokens only; on
+the CPU the attention core too (one call per run of equal-length prompts, no padding), on a GPU
+it sees a padded view. q, k and v are fused at load time; on the CPU in float32 the linears are
+oneDNN's with the GELU and the residual adds in their epilogue (ember.models.bert_cpu). Parameter
+names follow HF's, except `qkv` (HF's query, key and value).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.models import bert_cpu
 from ember.pooling.batch import PoolingBatch
 
 _QKV = {"query": 0, "key": 1, "value": 2}
@@ -23,12 +26,14 @@ _IGNORED = ("embeddings.position_ids", "pooler.dense")  # unused by BertModel's 
 
 
 def _act(name: str):
+    # In place: the intermediate activations are the largest tensor of a layer, and a second
+    # one of that size costs an allocation and a pass through memory.
     if name == "gelu":
-        return F.gelu
+        return torch.ops.aten.gelu_
     if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
-        return lambda x: F.gelu(x, approximate="tanh")
+        return lambda x: torch.ops.aten.gelu_(x, approximate="tanh")
     if name == "relu":
-        return F.relu
+        return F.relu_
     raise ValueError(f"BERT hidden_act {name!r} is not supported (gelu, gelu_new, relu)")
 
 
@@ -63,15 +68,31 @@ class BertLayer(nn.Module):
         self.output = nn.Linear(config.intermediate_size, h, dtype=dtype)
         self.out_norm = nn.LayerNorm(h, eps=eps, dtype=dtype)
         self.act = _act(config.hidden_act)
+        self.hidden_act = config.hidden_act
+        # The CPU's float32 path: oneDNN linears with the activation / residual fused in.
+        self.fused = None
+        if bert_cpu.supports(config.hidden_act, dtype):
+            self.fused = tuple(bert_cpu.PackedLinear(m) for m in (
+                self.qkv, self.attn_out, self.intermediate, self.output))
 
     def forward(self, x: torch.Tensor, batch: PoolingBatch) -> torch.Tensor:
-        b, n, heads, d = batch.num_seqs, batch.max_len, self.num_heads, self.head_size
-        qkv = batch.pad(self.qkv(x)).view(b, n, 3, heads, d).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=batch.key_mask,
-                                           scale=1.0 / math.sqrt(d))
-        o = batch.unpad(o.transpose(1, 2).reshape(b, n, heads * d))
-        x = self.attn_norm(x + self.attn_out(o))
-        return self.out_norm(x + self.output(self.act(self.intermediate(x))))
+        heads, d = self.num_heads, self.head_size
+        if x.device.type == "cpu" and self.fused is not None:
+            qkv_, out_, inter_, output_ = self.fused
+            o = batch.attend_packed(qkv_(x), heads, 1.0 / math.sqrt(d))
+            x = self.attn_norm(out_.add(o, x))
+            return self.out_norm(output_.add(inter_(x, self.hidden_act), x))
+        qkv = self.qkv(x)
+        if x.device.type == "cpu":  # compute-bound: no padding (see PoolingBatch)
+            o = batch.attend_packed(qkv, heads, 1.0 / math.sqrt(d))
+        else:  # one attention launch for the chunk
+            b, n = batch.num_seqs, batch.max_len
+            q, k, v = batch.pad(qkv).view(b, n, 3, heads, d).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.key_mask,
+                                               scale=1.0 / math.sqrt(d))
+            o = batch.unpad(o.transpose(1, 2).reshape(b, n, heads * d))
+        x = self.attn_norm(self.attn_out(o).add_(x))
+        return self.out_norm(self.output(self.act(self.intermediate(x))).add_(x))
 
 
 class BertModel(nn.Module):

@@ -1,8 +1,13 @@
-"""PoolingBatch: many prompts packed into one flat token batch, and the pad/unpad indices that
-bidirectional attention over padded [batch, max_len] blocks needs.
+"""PoolingBatch: many prompts packed into one flat token batch, and what bidirectional attention
+over them needs.
 
-Linear layers, norms and the MLP run on the packed tokens only (no compute on padding); only the
-attention core sees a padded view, with a key mask where lengths differ.
+Linear layers, norms and the MLP run on the packed tokens only (no compute on padding). For the
+attention core there are two ways: `attend_packed` runs it on each run of equal-length prompts
+(the runner sorts a chunk's prompts by length, so such runs are contiguous in the packed batch
+and each is a [count, len] view without a copy): no padding, no mask, no pad/unpad copies, one
+attention per distinct length -- what the CPU wants, where the core is compute-bound. The
+padded view (`pad` / `unpad` with a key mask where lengths differ) is one call for the whole
+chunk -- what a GPU wants, where a call per length would cost a launch each.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -23,6 +29,7 @@ class PoolingBatch:
     max_len: int
     pad_index: torch.Tensor  # [T] int64: flat token -> row of the [B * max_len] padded view
     key_mask: torch.Tensor | None  # [B, 1, 1, max_len] bool, None when every length is max_len
+    runs: list[tuple[int, int, int]]  # (first token, prompts, length) of equal-length runs
 
     @classmethod
     def build(cls, prompts: list[list[int]], pair_starts: list[int | None],
@@ -44,11 +51,32 @@ class PoolingBatch:
             mask = (torch.arange(max_len)[None, :] < lengths_t[:, None])[:, None, None, :]
             mask = mask.to(device)
 
+        runs: list[tuple[int, int, int]] = []
+        for start, n in zip(starts, lengths):
+            if runs and runs[-1][2] == n:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
+            else:
+                runs.append((start, 1, n))
+
         def t(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).to(device)
 
         return cls(t(flat), t(positions), t(types), lengths, t(starts), lengths_t.to(device),
-                   max_len, t(pad), mask)
+                   max_len, t(pad), mask, runs)
+
+    def attend_packed(self, qkv: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+        """Bidirectional attention on packed [T, 3 * H] q|k|v rows -> [T, H], computed per
+        run of equal-length prompts (no padding, no mask)."""
+        total, width = qkv.shape
+        size = width // 3
+        d = size // heads
+        out = qkv.new_empty((total, size))
+        for start, count, n in self.runs:
+            end = start + count * n
+            q, k, v = qkv[start:end].view(count, n, 3, heads, d).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale)  # [count, heads, n, d]
+            out[start:end].view(count, n, heads, d).copy_(o.transpose(1, 2))
+        return out
 
     @property
     def num_seqs(self) -> int:
