@@ -8,14 +8,13 @@ alternate sliding-window and global attention (``config.layer_types``); Gemma 2 
 attention scores and the final logits (cap * tanh(x / cap)); Gemma 3 norms q and k per head and
 gives local and global layers their own rope base (and scaling).
 
-Weight loading follows the linear contract (ember.layers.linear): each HF tensor goes to its
-parameter's ``weight_loader`` with its shard index within the fused qkv / gate_up projection.
+Weight loading is the shared loop of ember.models.hf_weights (each HF tensor to its parameter's
+``weight_loader``, with its shard index within the fused qkv / gate_up projection).
 Tensor and pipeline parallelism are not implemented for these models (supports_* = False).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,18 +24,13 @@ from torch import nn
 
 from ember.attention_backends.base import AttentionBackend
 from ember.layers.attention import Attention, ForwardContext
-from ember.layers.linear import Linear, bind_weight_loaders, compute_logits, weight_loader
+from ember.layers.linear import Linear, compute_logits
 from ember.layers.rotary import RotaryEmbedding
+from ember.models.hf_weights import FusedHFWeightsMixin
 from ember.models.llama import layer_sliding_window
 
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 _LAYER_TYPES = ("sliding_attention", "full_attention")
-# HF projection name -> (our fused projection, index of its shard), and back.
-_FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}  # fmt: skip
-_UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass(frozen=True)
@@ -208,7 +202,7 @@ class GemmaModel(nn.Module):
         return self.norm(h)
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(FusedHFWeightsMixin, nn.Module):
     """Causal LM over ``GemmaModel``; parameter names follow HF's except the fused ones. The
     lm_head is tied to the embeddings unless the config says otherwise."""
 
@@ -246,47 +240,3 @@ class GemmaForCausalLM(nn.Module):
             cap = self.final_soft_cap
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    # ---- weight loading ----------------------------------------------------------------------
-
-    def expected_weight_names(self) -> set[str]:
-        """Every HF name the checkpoint must provide."""
-        names = set()
-        for name, _ in self.named_parameters():
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in _UNFUSED:
-                names.update(".".join([*parts[:-2], p, parts[-1]]) for p in _UNFUSED[parts[-2]])
-            else:
-                names.add(name)
-        return names
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Each HF-named tensor to its parameter's loader (with its shard index in a fused
-        projection); ValueError on unknown, missing or mis-shaped names."""
-        params = bind_weight_loaders(self)
-        loaded: set[str] = set()
-        unknown: list[str] = []
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # tied to embed_tokens, as in HF
-            parts = name.split(".")
-            shard = None
-            if len(parts) >= 2 and parts[-2] in _FUSED:
-                fused, shard = _FUSED[parts[-2]]
-                parts[-2] = fused
-            param = params.get(".".join(parts))
-            if param is None:
-                unknown.append(name)
-                continue
-            param._ember_name = name  # type: ignore[attr-defined]  # errors name the HF weight
-            weight_loader(param)(param, tensor, shard)
-            loaded.add(name)
-        if unknown:
-            raise ValueError(f"unknown weights for {type(self).__name__}: "
-                             f"{', '.join(sorted(unknown)[:20])}")
-        missing = self.expected_weight_names() - loaded
-        if missing:
-            raise ValueError(f"weights missing from the checkpoint: "
-                             f"{', '.join(sorted(missing)[:20])}")
-        return loaded

@@ -14,7 +14,6 @@ What differs between the family's architectures is a ``DecoderSpec`` (biases, pe
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,7 +24,6 @@ from ember.attention_backends.base import AttentionBackend
 from ember.distributed import parallel_state as ps
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import Attention, ForwardContext
-from ember.layers.linear import bind_weight_loaders, weight_loader
 from ember.layers.norm import RMSNorm
 from ember.layers.parallel_linear import (
     MergedColumnParallelLinear,
@@ -34,15 +32,7 @@ from ember.layers.parallel_linear import (
 )
 from ember.layers.rotary import RotaryEmbedding
 from ember.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, parallel_logits
-
-# HF buffers some checkpoints carry; they are recomputed, never loaded.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-# HF projection name -> (our fused projection, index of its shard)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}  # fmt: skip
-_UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+from ember.models.hf_weights import FusedHFWeightsMixin
 
 
 @dataclass(frozen=True)
@@ -236,7 +226,7 @@ class DecoderModel(nn.Module):
         return self.norm.forward_with_residual(h, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(FusedHFWeightsMixin, nn.Module):
     """Causal LM over ``DecoderModel``; parameter names follow HF's except the fused ones."""
 
     spec: ClassVar[DecoderSpec] = DecoderSpec()
@@ -276,69 +266,6 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weight loading ----------------------------------------------------------------------
 
-    def _target(self, hf_name: str) -> tuple[str, int | None]:
-        """Our parameter name for an HF name, and the shard index within a fused projection."""
-        parts = hf_name.split(".")
-        if len(parts) >= 2 and parts[-2] in _FUSED:
-            fused, shard = _FUSED[parts[-2]]
-            return ".".join([*parts[:-2], fused, parts[-1]]), shard
-        return hf_name, None
-
-    def expected_weight_names(self) -> set[str]:
-        """Every HF name the checkpoint must provide."""
-        names = set()
-        for name, _ in self.named_parameters():
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in _UNFUSED:
-                names.update(".".join([*parts[:-2], p, parts[-1]]) for p in _UNFUSED[parts[-2]])
-            else:
-                names.add(name)
-        return names
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Hand each HF-named tensor to its parameter's ``weight_loader`` (with the shard index
-        within a fused projection; the loader narrows, checks shapes, casts and copies);
-        ValueError on unknown, missing or mis-shaped names. Returns the names loaded. What the
-        quantization method does after loading is the engine's next step
-        (ember.quantization.base.finish_loading). Subclasses with other tensors (stacked
-        experts) override ``_target``, ``_copy_shard`` and ``_check_complete``."""
-        params = bind_weight_loaders(self)
-        loaded: set[str] = set()
-        filled: dict[str, set[Any]] = {}  # our parameter name -> the shards loaded into it
-        unknown: list[str] = []
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # tied: HF ties it to embed_tokens, and so do we
-            target, shard = self._target(name)
-            param = params.get(target)
-            if param is None and self._other_stage(target):
-                continue  # another pipeline stage's weight (read lazily, never copied here)
-            if param is None:
-                unknown.append(name)
-                continue
-            self._copy_shard(target, param, tensor, shard, name)
-            filled.setdefault(target, set()).add(shard)
-            loaded.add(name)
-        if unknown:
-            raise ValueError(f"unknown weights for {type(self).__name__}: {listed_names(unknown)}")
-        self._check_complete(loaded, filled)
-        return loaded
-
-    def _copy_shard(self, name: str, param: nn.Parameter, tensor: torch.Tensor, shard: Any,
-                    hf_name: str) -> None:  # fmt: skip
-        """Load one tensor through its parameter's ``weight_loader`` (the linear contract's)."""
-        param._ember_name = hf_name  # type: ignore[attr-defined]  # errors name the HF weight
-        weight_loader(param)(param, tensor, shard)
-
-    def _check_complete(self, loaded: set[str], filled: dict[str, set[Any]]) -> None:
-        """ValueError naming the weights the checkpoint lacked."""
-        missing = self.expected_weight_names() - loaded
-        if missing:
-            raise ValueError(f"weights missing from the checkpoint: {listed_names(missing)}")
-
     def _other_stage(self, name: str) -> bool:
         """Whether `name` belongs to a layer (or the embedding, norm, head) another pipeline
         stage holds."""
@@ -353,13 +280,6 @@ class LlamaForCausalLM(nn.Module):
 
 class StageMissingLayer(nn.Module):
     """A decoder layer another pipeline stage holds (no parameters, never called)."""
-
-
-def listed_names(names: Iterable[str], limit: int = 20) -> str:
-    """Sorted names for an error message, the first `limit` of them."""
-    names = sorted(names)
-    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -18,13 +18,9 @@ from torch import nn
 
 from ember.attention_backends.base import AttentionBackend
 from ember.layers.moe import FusedMoE, SparseMoeBlock, load_expert_weight
-from ember.models.llama import LlamaForCausalLM, listed_names
+from ember.models.hf_weights import FUSED, listed_names
+from ember.models.llama import LlamaForCausalLM
 
-# HF dense projection -> (our fused projection, shard index)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}  # fmt: skip
 _SHARDS = {"qkv_proj": (0, 1, 2), "gate_up_proj": (0, 1)}
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
 _FUSED_EXPERTS = {"gate_up_proj": "w13", "down_proj": "w2"}
@@ -95,10 +91,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         parts = hf_name.split(".")
         if len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in _FUSED_EXPERTS:
             return ".".join([*parts[:-1], _FUSED_EXPERTS[parts[-1]]]), None
-        if len(parts) >= 2 and parts[-2] in _FUSED:
-            fused, shard = _FUSED[parts[-2]]
-            return ".".join([*parts[:-2], fused, parts[-1]]), shard
-        return hf_name, None
+        return super()._target(hf_name)
 
     def expected_weight_names(self) -> set[str]:
         """Every HF name a per-expert checkpoint must provide."""
@@ -110,7 +103,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                 prefix = ".".join(parts[:-1]).replace(".mlp.", f".{self.moe_block_name}.", 1)
                 names.update(f"{prefix}.{e}.{by_shard[s]}.weight" for e, s in shards)
             elif shards:
-                fused = {v: k for k, v in _FUSED.items() if v[0] == parts[-2]}
+                fused = {v: k for k, v in FUSED.items() if v[0] == parts[-2]}
                 names.update(".".join([*parts[:-2], fused[(parts[-2], s)], parts[-1]])
                              for s in shards)
             elif name.endswith(".mlp.gate.weight"):  # the router, under the block's name
