@@ -365,3 +365,32 @@ def test_fused_moe_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_expert_hit_stats_read_by_a_device_name_without_index():
+    """The benchmark reads the stats with the runner's device, which may be "cuda" while the
+    kernels ran on "cuda:0" tensors: both name the same buffer."""
+    from ember.kernels.buffers import device_key
+
+    assert device_key("cuda") == device_key(torch.device("cuda", torch.cuda.current_device()))
+    fm.expert_hit_stats("cuda:0", reset=True)
+    fm.count_expert_hits(True)
+    try:
+        w13, w2 = _experts(4, 16, 16, device="cuda:0")
+        x = torch.randn(2, 16, device="cuda:0")
+        ids = torch.tensor([[0, 1], [2, 1]], device="cuda:0")
+        fm.fused_experts(x, w13, w2, torch.full((2, 2), 0.5, device="cuda:0"), ids)
+        assert fm.expert_hit_stats("cuda", reset=True) == (3, 1)
+    finally:
+        fm.count_expert_hits(False)
+
+
+def test_scratch_buffers_are_keyed_by_the_device_not_its_spelling():
+    from ember.kernels.buffers import release_scratch, scratch_buffer
+
+    try:
+        first = scratch_buffer("test.key", 4, torch.float32, "cpu")
+        assert scratch_buffer("test.key", 4, torch.float32, torch.device("cpu")) is first
+    finally:
+        release_scratch("test.key")

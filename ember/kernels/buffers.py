@@ -25,7 +25,7 @@ def scratch_buffer(purpose: str, numel: int, dtype: torch.dtype, device: torch.d
     ``zeroed`` fills a newly allocated buffer with zeros; users of a zeroed buffer restore
     the zeros they disturb, since it is not cleared again.
     """
-    key = (purpose, str(device))
+    key = (purpose, device_key(device))
     buf = _BUFFERS.get(key)
     if buf is None or buf.numel() < numel or buf.dtype != dtype:
         # Drop the old buffer before allocating its successor so both never coexist.
@@ -34,6 +34,18 @@ def scratch_buffer(purpose: str, numel: int, dtype: torch.dtype, device: torch.d
         alloc = torch.zeros if zeroed else torch.empty
         buf = _BUFFERS[key] = alloc(numel, dtype=dtype, device=device)
     return buf
+
+
+def device_key(device: torch.device | str) -> str:
+    """One name per physical device: "cuda" means the current CUDA device, so it names the
+    same buffer as "cuda:0" when that is current (a reader asking for "cuda" must see what a
+    kernel launched on a "cuda:0" tensor wrote)."""
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        module = getattr(torch, device.type, None)
+        if module is not None and hasattr(module, "current_device"):
+            device = torch.device(device.type, module.current_device())
+    return str(device)
 
 
 def scratch_buffers(purpose: str) -> dict[str, torch.Tensor]:
