@@ -68,7 +68,8 @@ def _padded_model(tmp_path, padding: int) -> tuple[str, int]:
 def test_padded_vocabulary(tmp_path, backend):
     """Random weights, 8x more padding ids than tokens: constrained outputs validate and use
     tokenizer ids only, with a bitmask as wide as the tokenizer; an unconstrained request in the
-    same steps still samples padding ids (its row is not masked)."""
+    same steps still samples padding ids (its row is not masked). Greedy rows alone take the
+    runner's masked-argmax path, mixed with sampled rows the sampler's."""
     path, num_tokens = _padded_model(tmp_path, padding=8 * 400)
     llm = LLM(path, max_model_len=256, structured_outputs_config={"backend": backend})
     try:
@@ -76,9 +77,10 @@ def test_padded_vocabulary(tmp_path, backend):
                                  structured_outputs=StructuredOutputsParams(
                                      json=SCHEMA, disable_any_whitespace=True))
                   for i in range(6)]
+        greedy = llm.generate(["Answer with a JSON value:"] * 3, params[::2], use_tqdm=False)
         params.append(SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True))
         outs = llm.generate(["Answer with a JSON value:"] * 7, params, use_tqdm=False)
-        for out in outs[:6]:
+        for out in greedy + outs[:6]:
             assert out.outputs[0].finish_reason == "stop"
             assert max(out.outputs[0].token_ids) < num_tokens
             # Random weights pick control characters inside strings: parse leniently.

@@ -330,10 +330,13 @@ class ModelRunner:
         from ember.layers.sampling_metadata import build_sampling_metadata
 
         processors = self.logits_processors
-        if grammar is None and (not self.special_sampling_reqs or all(
+        if not self.special_sampling_reqs or all(
             _plain_greedy(s.sampling_params, len(s.output_token_ids), processors) for s in rows
-        )):
-            # Nothing to build: no penalties, masks or logprobs, just the argmax.
+        ):
+            # Nothing to build: no penalties or logprobs, just the argmax (of the masked logits
+            # under a grammar: the sampler would mask them alike, in place, then take it).
+            if grammar is not None:
+                logits = self._masked_logits(logits, rows, grammar)
             step.attach_samples(rows, greedy_argmax(logits), None)
             return
         if previous is not None and any(
@@ -359,6 +362,21 @@ class ModelRunner:
             self._attach_grammar(metadata, rows, grammar)
         sampled = self.sampler(logits, metadata)
         step.attach_samples(rows, sampled.sampled_token_ids, sampled.logprobs)
+
+    def _masked_logits(self, logits: torch.Tensor, rows: list,
+                       grammar: GrammarBitmask) -> torch.Tensor:
+        """float32 `logits` with the grammar rows' disallowed tokens at -inf (as the sampler)."""
+        from types import SimpleNamespace
+
+        from ember.structured_output.bitmask import apply_token_bitmask_
+
+        mask = SimpleNamespace(grammar_bitmask=None, grammar_rows=None, grammar_row_list=None)
+        self._attach_grammar(mask, rows, grammar)
+        logits = logits.float()
+        if mask.grammar_bitmask is None:
+            return logits
+        return apply_token_bitmask_(logits, mask.grammar_bitmask, mask.grammar_rows,
+                                    mask.grammar_row_list)
 
     def _attach_grammar(self, metadata, rows: list, grammar: GrammarBitmask) -> None:
         """Structured outputs: the scheduler's bitmask rows laid out as this step's logits rows
