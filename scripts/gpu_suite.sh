@@ -61,9 +61,13 @@ for part in $PARTS; do
                --out "$OUT/decode_latency.json" ;;
     # Structured outputs' cost: Qwen3-0.6B shape, dummy weights, the default model's tokenizer
     # (a word tokenizer cannot spell JSON); the directory is made by scripts/gpu_tokenizer_dir.sh.
+    # Then the host side alone (grammar accept + bitmask fill per 256-row step, padded against
+    # tokenizer width), on this machine's CPU.
     structured) stage structured 200 python3 -m ember.bench.structured \
                   --model gpu_tok/qwen3-0.6b-smoltok --load-format dummy --num-prompts 256 \
-                  --max-model-len 2048 --compact --out "$OUT/structured.json" ;;
+                  --max-model-len 2048 --compact --out "$OUT/structured.json"
+                stage grammar_host 150 python3 -m ember.bench.grammar_host \
+                  --tokenizer gpu_tok/qwen3-0.6b-smoltok --out "$OUT/grammar_host.json" ;;
     # What the process boundary costs: Qwen3-0.6B (nano-vllm's workload) with the model in the
     # engine core's process (uni) and in one spawned worker process (mp), same run.
     mp) stage dist_gpu_tests 240 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
