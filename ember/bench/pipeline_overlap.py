@@ -7,8 +7,11 @@ float32 weights in SmolLM2-135M's layout resized by `--hidden` and `--layers`, w
 small enough that the last stage's LM head does not dominate), alternating
 `max_concurrent_batches=1` (a stage waits while the other runs) and the default batch queue (one
 batch per stage in flight). Reports generated tokens per second, the most batches the engine
-core had in flight, and the load average around each run (the machine may be shared). Batches
-in flight split the running requests, so the gain needs batches large enough to be compute-bound
+core had in flight, per rank the batches an earlier stage started while the last stage still ran
+the one before, and the load average around each run (the machine may be shared). As a control
+for the machine it reports how much longer two one-thread matmul processes take at once than
+one alone (1.0: a free core for each stage; 2.0: the stages can only take turns). Batches in
+flight split the running requests, so the gain needs batches large enough to be compute-bound
 (on the CPU, decode at a few requests reads the weights once per batch whatever its size).
 """
 
@@ -22,6 +25,33 @@ import time
 from pathlib import Path
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m"
+
+
+def _matmuls(n: int) -> float:
+    import torch
+
+    torch.set_num_threads(1)
+    a, w = torch.randn(128, 768), torch.randn(768, 2112)
+    start = time.perf_counter()
+    for _ in range(n):
+        a @ w
+    return time.perf_counter() - start
+
+
+def parallel_capacity(n: int = 1000) -> float:
+    """A control for the machine, not for ember: the wall time of two one-thread matmul loops
+    run at once over that of one. 1.0: a second core was free for a second stage; 2.0: none
+    was (the stages can then only take turns, whatever the engine does)."""
+    from multiprocessing import get_context
+
+    with get_context("spawn").Pool(2) as pool:
+        pool.map(_matmuls, [10, 10])
+        start = time.perf_counter()
+        pool.map(_matmuls, [n])
+        one = time.perf_counter() - start
+        start = time.perf_counter()
+        pool.map(_matmuls, [n, n])
+        return round((time.perf_counter() - start) / one, 2)
 
 
 def run(ns: argparse.Namespace, batches: int) -> dict:
@@ -44,14 +74,27 @@ def run(ns: argparse.Namespace, batches: int) -> dict:
         llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
         core = llm.llm_engine.engine_core
         core.peak_batches_in_flight = 0
+        launch, launches = core.executor.launch, 0
+
+        def counted(plan):
+            nonlocal launches
+            launches += 1
+            return launch(plan)
+
+        core.executor.launch = counted
+        before = llm.collective_rpc("overlap_count")
         load_before = os.getloadavg()[0]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        # Per rank: batches an earlier stage started before the last stage had sampled the one
+        # before (0 on the last stage, and with one batch in flight).
+        overlaps = [a - b for a, b in zip(llm.collective_rpc("overlap_count"), before)]
         return {"max_concurrent_batches": batches, "seconds": round(seconds, 2),
                 "output_tok_s": round(tokens / seconds, 1),
                 "peak_batches_in_flight": core.peak_batches_in_flight,
+                "stage_overlaps_per_rank": overlaps, "launches": launches,
                 "loadavg_1min_before": load_before, "loadavg_1min_after": os.getloadavg()[0]}
     finally:
         llm.shutdown()
@@ -72,9 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     ns = parser.parse_args(argv)
     rows = []
     for _ in range(ns.repeats):
+        print(json.dumps({"two_matmul_processes_over_one": parallel_capacity()}), flush=True)
         for batches in (1, ns.pp):
             rows.append(run(ns, batches))
             print(json.dumps(rows[-1]), flush=True)
+    print(json.dumps({"two_matmul_processes_over_one": parallel_capacity()}), flush=True)
     base = [r["output_tok_s"] for r in rows if r["max_concurrent_batches"] == 1]
     queue = [r["output_tok_s"] for r in rows if r["max_concurrent_batches"] > 1]
     print(json.dumps({"pp": ns.pp, "speedup": round(sum(queue) / sum(base), 2),

@@ -24,6 +24,7 @@ from ember.distributed import parallel_state as ps
 from ember.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
+    from ember.core.scheduler_output import SchedulerOutput
     from ember.worker.in_flight import InFlightStep
     from ember.worker.input_batch import CachedRequestState, FlatBatch
 
@@ -32,6 +33,20 @@ class ParallelModelRunner(ModelRunner):
     # Set by RankWorker when several batches are in flight (pipeline parallel batch queue): an
     # earlier stage then receives the sampled tokens without waiting for them.
     overlap_stages = False
+    # Batches this (earlier) stage started while the last stage had not yet sampled the batch
+    # before: the stages ran at once (ember.bench.pipeline_overlap reports it).
+    stage_overlaps = 0
+    _last_broadcast = None
+
+    def launch(self, out: SchedulerOutput) -> InFlightStep:
+        last = self._last_broadcast
+        if last is not None and not last.is_completed():
+            self.stage_overlaps += 1
+        return super().launch(out)
+
+    def overlap_count(self) -> int:
+        """stage_overlaps (a collective_rpc method)."""
+        return self.stage_overlaps
 
     def _sampling_logits(self, batch: FlatBatch, hidden: torch.Tensor,
                          ) -> tuple[list[CachedRequestState], torch.Tensor | None]:
@@ -61,7 +76,7 @@ class ParallelModelRunner(ModelRunner):
             # Batch queue: this stage goes on to the next batch while the last stage runs this
             # one, so the tokens arrive later; they are attached when the step is resolved,
             # which the rank does before its requests are scheduled again (RankWorker).
-            work = comm.broadcast_from_driver(sampled, async_op=True)
+            work = self._last_broadcast = comm.broadcast_from_driver(sampled, async_op=True)
 
             def wait_then_resolve():
                 del step.resolve  # back to InFlightStep.resolve
