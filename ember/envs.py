@@ -91,3 +91,16 @@ def grammar_threads() -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"EMBER_GRAMMAR_THREADS must be a positive integer, got {value!r}")
     return int(value)
+
+
+def cache_dir() -> str | None:
+    """EMBER_CACHE_DIR: where ember keeps what it derives from a model file to load it faster
+    the next time (a GGUF file's converted tokenizer); default $XDG_CACHE_HOME/ember or
+    ~/.cache/ember. Set it to "off" to keep nothing on disk."""
+    value = os.environ.get("EMBER_CACHE_DIR")
+    if value is not None and value.strip().lower() in ("off", "0", "none", "false"):
+        return None
+    if value:
+        return value
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ember")

@@ -1,0 +1,84 @@
+"""A disk cache of the tokenizers ember converts from GGUF files.
+
+Converting a GGUF vocabulary into a transformers tokenizer takes ~1.5 s on the default model
+(transformers builds the BPE model from the metadata arrays); loading the same tokenizer saved
+with ``save_pretrained`` takes ~0.15 s. The first load of a file saves the converted tokenizer
+under ``EMBER_CACHE_DIR`` (ember.envs.cache_dir), keyed by the file's path, size and mtime and
+the transformers version; later loads, in any process, read that directory. A cache that cannot
+be written or read is skipped (the conversion runs as before), never an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING
+
+from ember import envs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger("ember")
+_MARKER = "ember_tokenizer_cache.json"  # written last: a directory without it is incomplete
+
+
+def entry_dir(gguf_path: str) -> str | None:
+    """This file's cache directory (which may not exist yet), or None when caching is off."""
+    import transformers
+
+    root = envs.cache_dir()
+    if root is None:
+        return None
+    st = os.stat(gguf_path)
+    key = f"{os.path.realpath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return os.path.join(root, "gguf-tokenizers", hashlib.sha256(key.encode()).hexdigest()[:32])
+
+
+def load(gguf_path: str) -> PreTrainedTokenizerBase | None:
+    """The cached tokenizer of this GGUF file, or None when there is none (or it is unusable)."""
+    directory = entry_dir(gguf_path)
+    if directory is None or not os.path.isfile(os.path.join(directory, _MARKER)):
+        return None
+    try:
+        from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+        with open(os.path.join(directory, _MARKER)) as f:
+            meta = json.load(f)
+        tokenizer_cls = tokenizer_class_from_name(meta["class"])
+        if tokenizer_cls is None:
+            return None
+        tokenizer = tokenizer_cls.from_pretrained(directory, local_files_only=True)
+        tokenizer.name_or_path = meta["name_or_path"]  # where it came from, not the cache
+        return tokenizer
+    except Exception as e:  # a damaged entry: convert again (and overwrite it)
+        logger.debug("tokenizer cache entry %s unusable (%s)", directory, e)
+        return None
+
+
+def save(gguf_path: str, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Save a freshly converted tokenizer for later loads (best effort)."""
+    directory = entry_dir(gguf_path)
+    if directory is None:
+        return
+    parent = os.path.dirname(directory)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".staging-", dir=parent)
+        try:
+            tokenizer.save_pretrained(staging)
+            with open(os.path.join(staging, _MARKER), "w") as f:
+                json.dump({"class": type(tokenizer).__name__, "gguf": os.path.realpath(gguf_path),
+                           "name_or_path": tokenizer.name_or_path}, f)
+            if os.path.isdir(directory):  # an unusable entry (no marker, or it failed to load)
+                shutil.rmtree(directory, ignore_errors=True)
+            os.rename(staging, directory)  # atomic: readers see all of it or nothing
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    except OSError as e:  # read-only home, full disk, a concurrent writer won the rename
+        logger.debug("tokenizer cache not written to %s (%s)", directory, e)
