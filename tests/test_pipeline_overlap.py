@@ -1,14 +1,18 @@
 """Pipeline parallelism with several batches in flight (the engine core's batch queue) on the
 CPU (gloo): greedy tokens of PP=2 and TP=2 x PP=2 equal the one-process engine's with mixed
 prompt lengths, more requests than one batch takes, preemption (a small KV cache) and prefix
-caching; more than one batch really was in flight; an abort while batches are in flight frees
-everything; the scheduler never puts a request in two batches in flight.
+caching, and with structured outputs; more than one batch really was in flight; an abort while
+batches are in flight frees everything; the scheduler never puts a request in two batches in
+flight.
 
 Each engine start spawns one process per rank (20-40 s on a loaded 2-core machine), so the
-default run starts two multi-rank engines (PP=2, TP=2 x PP=2) and checks several things on each.
+default run starts three multi-rank engines (PP=2, TP=2 x PP=2, PP=2 with grammars) and checks
+several things on each.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from model_factory import make_tiny_model
@@ -143,3 +147,33 @@ def _aborted():
     from ember.core.request import RequestStatus
 
     return RequestStatus.FINISHED_ABORTED
+
+
+@pytest.mark.slow
+def test_pp2_batch_queue_structured_outputs(tmp_path):
+    """Grammar requests among plain ones: the bitmask is filled when a batch is scheduled (the
+    request's previous token is folded in by then); tokens equal the one-process engine's."""
+    from ember import StructuredOutputsParams
+    from ember.default_model import default_model_path
+
+    path = str(make_tiny_model("llama", tmp_path, vocab_size=49152, num_hidden_layers=2))
+    args = dict(model=path, tokenizer=default_model_path(), max_model_len=64, max_num_seqs=8,
+                kv_cache_memory_bytes=1 << 23, show_progress=False)
+    prompts = ["The quick brown fox", "Once upon a time", "Pick one:", "A number:"]
+    grammar = [None, None, StructuredOutputsParams(choice=["red", "green", "blue"]),
+               StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}")]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=g)
+              for g in grammar]
+
+    def run(**kw) -> list[tuple[list[int], str]]:
+        llm = LLM(**args, **kw)
+        try:
+            return [(o.outputs[0].token_ids, o.outputs[0].text)
+                    for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    ref = run()
+    assert ref[2][1] in ("red", "green", "blue")
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", ref[3][1])
+    assert run(pipeline_parallel_size=2, distributed_executor_backend="mp") == ref
