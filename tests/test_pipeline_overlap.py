@@ -61,6 +61,11 @@ def _check_overlap(path: str, ref: list[list[int]], tp: int, **kw) -> None:
         assert core.max_concurrent_batches == 2
         assert _generate(llm) == ref
         assert core.peak_batches_in_flight == 2  # the stages did have a batch each
+        # Per rank, the batches stage 0 started before the last stage had sampled the batch
+        # before (its token broadcast not yet complete): the stages ran at once. The last
+        # stage finishes each batch before taking the next, so it counts none.
+        counts = llm.collective_rpc("overlap_count")
+        assert all(c > 0 for c in counts[:tp]) and counts[tp:] == [0] * tp, counts
         assert core.scheduler.num_preemptions > 0
         assert core.kv_cache_manager.prefix_hits > 0
         # Abort while batches are in flight: the others finish, every block comes back.
