@@ -1,7 +1,8 @@
 """The encoder's CPU path against plain references: attention on runs of equal-length prompts
-(PoolingBatch.attend_packed) against per-prompt scaled_dot_product_attention, and the BERT
-layer's oneDNN linears (activation and residual in the matmul's epilogue) against ATen's, for
-each hidden_act, including a weight written after the first forward (repacked).
+(PoolingBatch.attend_packed) against per-prompt scaled_dot_product_attention; the BERT layer's
+oneDNN linears (activation and residual in the matmul's epilogue) against ATen's, for each
+hidden_act, including a weight written after the first forward (repacked); and the layer's
+padded-attention branch (what a GPU runs) against the packed one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.models import bert_cpu
+from ember.models import bert, bert_cpu
 from ember.models.bert import BertLayer
 from ember.pooling.batch import PoolingBatch
 
@@ -72,3 +73,27 @@ def test_onednn_layer_equals_aten_layer(act):
     fused2, plain2 = both()
     torch.testing.assert_close(fused2, plain2, rtol=1e-5, atol=2e-5)
     assert not torch.allclose(fused2, fused)
+
+
+def test_padded_branch_equals_packed_branch(monkeypatch):
+    """The GPU's branch (pad, masked attention, unpad) run on the CPU gives the same layer."""
+    config = SimpleNamespace(hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                             layer_norm_eps=1e-12, hidden_act="gelu")
+    torch.manual_seed(1)
+    layer = BertLayer(config, torch.float32)
+    layer.fused = None
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    batch = _batch(LENGTHS)
+    x = torch.randn(sum(LENGTHS), 32)
+    pads = []
+    pad = PoolingBatch.pad
+    monkeypatch.setattr(PoolingBatch, "pad", lambda self, t: pads.append(1) or pad(self, t))
+    with torch.inference_mode():
+        packed = layer(x, batch)
+        assert not pads
+        monkeypatch.setattr(bert, "packed_attention", lambda device: False)
+        padded = layer(x, batch)
+    assert pads  # the padded branch ran
+    torch.testing.assert_close(padded, packed, rtol=1e-5, atol=2e-5)

@@ -37,6 +37,12 @@ def _act(name: str):
     raise ValueError(f"BERT hidden_act {name!r} is not supported (gelu, gelu_new, relu)")
 
 
+def packed_attention(device: torch.device) -> bool:
+    """Attention per run of equal-length prompts (the CPU: compute-bound, no padding) rather
+    than one padded call (a GPU: one launch); see PoolingBatch."""
+    return device.type == "cpu"
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -77,13 +83,13 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PoolingBatch) -> torch.Tensor:
         heads, d = self.num_heads, self.head_size
-        if x.device.type == "cpu" and self.fused is not None:
+        if x.device.type == "cpu" and self.fused is not None:  # bert_cpu's oneDNN linears
             qkv_, out_, inter_, output_ = self.fused
             o = batch.attend_packed(qkv_(x), heads, 1.0 / math.sqrt(d))
             x = self.attn_norm(out_.add(o, x))
             return self.out_norm(output_.add(inter_(x, self.hidden_act), x))
         qkv = self.qkv(x)
-        if x.device.type == "cpu":  # compute-bound: no padding (see PoolingBatch)
+        if packed_attention(x.device):
             o = batch.attend_packed(qkv, heads, 1.0 / math.sqrt(d))
         else:  # one attention launch for the chunk
             b, n = batch.num_seqs, batch.max_len
