@@ -21,6 +21,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
+        self._shape = (hidden_size,)
         self.use_kernel = dispatch.layer_kernels_enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,6 +43,10 @@ class RMSNorm(nn.Module):
         return self._forward_torch(h), h
 
     def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # The same ops as below in one call (bit-identical in float32, where no cast sits
+            # between them): a CPU decode step is bound by the number of torch calls.
+            return torch.rms_norm(x, self._shape, self.weight, self.eps)
         in_dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

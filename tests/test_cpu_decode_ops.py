@@ -1,4 +1,5 @@
-"""Rotary on q and k as one view of the fused qkv output: bit-identical to rotating each."""
+"""CPU decode call-count savings that must not change a bit: rotary on q and k as one view of
+the fused qkv output, and float32 RMSNorm as one torch call."""
 
 from __future__ import annotations
 
@@ -35,3 +36,15 @@ def test_tensors_that_are_not_neighbours_rotate_separately():
     cos, sin = rope.cos_sin(torch.arange(3), torch.float32)
     jq, jk = rope.apply_qk(q, k, cos, sin)
     assert torch.equal(jq, rope.apply(q, cos, sin)) and torch.equal(jk, rope.apply(k, cos, sin))
+
+
+def test_float32_rms_norm_is_bit_identical_to_hf_ops():
+    from ember.layers.norm import RMSNorm
+
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    for shape in ((1, 64), (17, 64), (3, 5, 64)):
+        x = torch.randn(*shape) * 7
+        hf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        assert torch.equal(norm(x), norm.weight * hf)
