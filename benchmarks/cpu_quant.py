@@ -10,6 +10,7 @@ figure is the 32 requests run back to back.
 
     python benchmarks/cpu_quant.py [--llamacpp-python /tmp/llamacpp-venv/bin/python]
         [--threads 2] [--only ember-quant,ember-float,hf,llamacpp] [--json out.json]
+        [--baseline-src /tmp/base --only ember-quant-base,ember-quant,...]
 """
 
 from __future__ import annotations
@@ -52,11 +53,14 @@ def _chat_ids(path: str) -> list[int]:
 def run_ember(quantization: str | None) -> dict:
     from ember import LLM, SamplingParams
 
-    path = _model_path()
-    chat = _chat_ids(path)
     t0 = time.perf_counter()
+    # Load = the engine ready to serve, its tokenizer included (llama.cpp's Llama() reads its
+    # tokenizer from the GGUF too); imports are not counted.
     llm = LLM(quantization=quantization, max_num_seqs=BATCH)
     load = time.perf_counter() - t0
+    chat = list(llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": CHAT}], add_generation_prompt=True, tokenize=True,
+        return_dict=False))
     single = SamplingParams(temperature=0, max_tokens=SINGLE_TOKENS, ignore_eos=True)
     llm.generate({"prompt_token_ids": chat}, single, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -143,6 +147,10 @@ def _child(variant: str, args: argparse.Namespace) -> dict:
                 f"import cpu_quant as b; print(json.dumps(b.run_llamacpp({path!r}, "
                 f"{_chat_ids(path)!r}, {vocab}, {args.threads})))")
         cmd = [args.llamacpp_python, "-c", code]
+    elif variant.endswith("-base"):  # the same engine from another source tree (a baseline)
+        env["PYTHONPATH"] = args.baseline_src
+        cmd = [sys.executable, __file__, "--child", variant[: -len("-base")], "--threads",
+               str(args.threads)]
     else:
         cmd = [sys.executable, __file__, "--child", variant, "--threads", str(args.threads)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -157,6 +165,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", default=",".join(VARIANTS))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--baseline-src", default=None,
+                        help="a checkout of another commit: variants NAME-base (ember-quant-base) "
+                             "run ember from it, e.g. `git worktree add /tmp/base <commit>`")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

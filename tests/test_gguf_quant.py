@@ -7,16 +7,24 @@ quantized against the same model dequantized (greedy agreement over 8 prompts x 
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 
 import numpy as np
 import pytest
 import torch
-from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import dequantize as gguf_dequantize
 
-from ember.quantization.gguf_blocks import SUPPORTED, Q, decode_blocks, dequantize
-from ember.testing import check_quantized_linear
+if not torch.cuda.is_available():
+    # Before anything imports triton: an interpreted kernel cannot call triton's own jit
+    # functions (tl.cdiv, ...) if triton was imported without the interpreter. The engines in
+    # this file still run the CPU path (ember.quantization.gguf.INTERPRET_ON_CPU stays off).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+
+from ember.quantization.gguf_blocks import SUPPORTED, Q, decode_blocks, dequantize  # noqa: E402
+from ember.testing import check_quantized_linear  # noqa: E402
 
 _LEGACY = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)  # the gguf package quantizes these
 
