@@ -27,7 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ember.bench.provenance import git_commit
-from ember.bench.structured import SCHEMAS
+from ember.bench.structured import SCHEMAS, is_json
 
 
 def _manager(backend: str, tokenizer, vocab_size: int, model_width: bool):
@@ -99,21 +99,13 @@ def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bo
     bar.close()
     manager.shutdown()
     texts = [tokenizer.decode(r.output_token_ids, skip_special_tokens=True) for r in requests]
-    valid = sum(_is_json(t) for t in texts)
+    valid = sum(is_json(t) for t in texts)
     return {"backend": backend, "width": "model" if model_width else "tokenizer",
             "bitmask_words": (manager.vocab_size + 31) // 32, "grammars_built_s": build_s,
             "steps": steps, "tokens": tokens, "outputs_valid_json": valid,
             "accept_us_per_token": 1e6 * accept_s / tokens,
             "accept_ms_per_step": 1e3 * accept_s / steps, "fill_ms_per_step": 1e3 * fill_s / steps,
             "host_ms_per_step": 1e3 * (accept_s + fill_s) / steps}
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,7 +116,7 @@ def run(ns: argparse.Namespace) -> dict:
     constrained_s = time.perf_counter() - start
     constrained_timing = _timing(timer)
     counts = [len(o.outputs[0].token_ids) for o in outs]
-    valid = sum(_is_json(o.outputs[0].text) for o in outs)
+    valid = sum(is_json(o.outputs[0].text) for o in outs)
     plain = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in counts]
     llm.generate(prompts, plain, use_tqdm=False)
     timer = _reset_timer(llm)
@@ -158,7 +158,8 @@ def _timing(timer) -> dict | None:
     return {"num_steps": timer.steps, **{k: round(v, 3) for k, v in timer.summary().items()}}
 
 
-def _is_json(text: str) -> bool:
+def is_json(text: str) -> bool:
+    """Whether the text parses as one JSON value."""
     try:
         json.loads(text)
     except ValueError:

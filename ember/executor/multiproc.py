@@ -94,7 +94,6 @@ def _serve(worker, cmd: zmq.Socket, out: zmq.Socket, parent: int) -> None:
     """Run commands in order. Under async scheduling a launched step is resolved only once the
     next step has been launched behind it (or none came within OVERLAP_WAIT_MS), as the engine
     core does in process: the host prepares step N+1 while the device runs step N."""
-    from ember.pickling import dumps, loads
 
     overlap_ms = OVERLAP_WAIT_MS if worker.async_scheduling else 0
     pending: tuple[int, Any] | None = None  # (seq, launched step) not yet resolved
@@ -129,13 +128,7 @@ def _serve(worker, cmd: zmq.Socket, out: zmq.Socket, parent: int) -> None:
         if pending is not None:
             finish()
         if kind == b"R":
-            call_id, method, args, kwargs = loads(message[1:])
-            try:
-                reply = ("ok", worker.rpc(method, args, kwargs))
-                payload = dumps(("rpc", call_id, worker.rank, reply), "the collective_rpc result")
-            except Exception as exc:
-                payload = dumps(("rpc", call_id, worker.rank, ("error", exc)), "an rpc error")
-            out.send(b"R" + payload)
+            _answer_rpc(worker, message, out)
         elif kind == b"Q":
             return
 
@@ -144,7 +137,6 @@ def _serve_batch_queue(worker, cmd: zmq.Socket, out: zmq.Socket, parent: int) ->
     """Pipeline parallel with several batches in flight: a rank of an earlier stage launches
     each step and goes on to the next (RankWorker.launch_queued keeps it); the last stage runs
     each step to the end, and the driver sends its result back, so results come in order."""
-    from ember.pickling import dumps, loads
 
     while True:
         if not cmd.poll(PARENT_CHECK_MS):
@@ -162,15 +154,23 @@ def _serve_batch_queue(worker, cmd: zmq.Socket, out: zmq.Socket, parent: int) ->
             continue
         if kind == b"R":
             worker.drain()
-            call_id, method, args, kwargs = loads(message[1:])
-            try:
-                reply = ("ok", worker.rpc(method, args, kwargs))
-                payload = dumps(("rpc", call_id, worker.rank, reply), "the collective_rpc result")
-            except Exception as exc:
-                payload = dumps(("rpc", call_id, worker.rank, ("error", exc)), "an rpc error")
-            out.send(b"R" + payload)
+            _answer_rpc(worker, message, out)
         elif kind == b"Q":
             return
+
+
+def _answer_rpc(worker, message: bytes, out: zmq.Socket) -> None:
+    """Run a collective_rpc message ("R" + pickled call) on this rank and send its reply (or
+    the exception it raised) back to the driver."""
+    from ember.pickling import dumps, loads
+
+    call_id, method, args, kwargs = loads(message[1:])
+    try:
+        reply = ("ok", worker.rpc(method, args, kwargs))
+        payload = dumps(("rpc", call_id, worker.rank, reply), "the collective_rpc result")
+    except Exception as exc:
+        payload = dumps(("rpc", call_id, worker.rank, ("error", exc)), "an rpc error")
+    out.send(b"R" + payload)
 
 
 class MultiprocExecutor(DistributedExecutorBase):
