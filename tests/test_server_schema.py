@@ -32,6 +32,7 @@ OPERATIONS = [
     ("/v1/score", "POST"),
     ("/rerank", "POST"),
     ("/v1/rerank", "POST"),
+    ("/v2/rerank", "POST"),
     ("/tokenize", "POST"),
     ("/detokenize", "POST"),
     ("/v1/models", "GET"),
