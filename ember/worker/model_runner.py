@@ -359,45 +359,45 @@ class ModelRunner:
             [s.req_id for s in rows],
         )
         if grammar is not None:
-            self._attach_grammar(metadata, rows, grammar)
+            mask = self._grammar_mask(rows, grammar)
+            if mask is not None:
+                metadata.grammar_bitmask, metadata.grammar_rows, metadata.grammar_row_list = mask
         sampled = self.sampler(logits, metadata)
         step.attach_samples(rows, sampled.sampled_token_ids, sampled.logprobs)
 
     def _masked_logits(self, logits: torch.Tensor, rows: list,
                        grammar: GrammarBitmask) -> torch.Tensor:
         """float32 `logits` with the grammar rows' disallowed tokens at -inf (as the sampler)."""
-        from types import SimpleNamespace
-
         from ember.structured_output.bitmask import apply_token_bitmask_
 
-        mask = SimpleNamespace(grammar_bitmask=None, grammar_rows=None, grammar_row_list=None)
-        self._attach_grammar(mask, rows, grammar)
         logits = logits.float()
-        if mask.grammar_bitmask is None:
-            return logits
-        return apply_token_bitmask_(logits, mask.grammar_bitmask, mask.grammar_rows,
-                                    mask.grammar_row_list)
+        mask = self._grammar_mask(rows, grammar)
+        return logits if mask is None else apply_token_bitmask_(logits, *mask)
 
-    def _attach_grammar(self, metadata, rows: list, grammar: GrammarBitmask) -> None:
+    def _grammar_mask(self, rows: list, grammar: GrammarBitmask
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None] | None:
         """Structured outputs: the scheduler's bitmask rows laid out as this step's logits rows
-        (rows without a grammar allow everything) and copied to the device without blocking."""
+        (rows without a grammar allow everything), copied to the device without blocking, as
+        (bitmask, its logits rows on the device, the same on the host); the rows are None when
+        the bitmask covers every row in order. None when no row here has a grammar."""
         index = {state.req_id: i for i, state in enumerate(rows)}
         pairs = [(index[req_id], j) for j, req_id in enumerate(grammar.req_ids) if req_id in index]
         if not pairs:
-            return
+            return None
         # Host work in numpy: torch ops on the host would wake torch's thread pool (see
         # StructuredOutputManager.fill).
         bitmask = grammar.bitmask.numpy()
-        row_list = [i for i, _ in pairs]
+        row_list: list[int] | None = [i for i, _ in pairs]
+        device_rows = None
         if row_list != list(range(len(rows))) or len(bitmask) != len(rows):
             full = np.full((len(rows), bitmask.shape[1]), -1, dtype=np.int32)
             full[row_list] = bitmask[[j for _, j in pairs]]
             bitmask = full
-            metadata.grammar_row_list = row_list
-            metadata.grammar_rows = to_device(row_list, torch.int64, self.device)
+            device_rows = to_device(row_list, torch.int64, self.device)
+        else:
+            row_list = None
         if self.platform.device_is_host():
-            metadata.grammar_bitmask = torch.from_numpy(bitmask)
-            return
+            return torch.from_numpy(bitmask), device_rows, row_list
         # A device of its own: copy from page-locked memory without blocking. Two buffers used
         # in turn: the copy out of one is done by the time it comes round again (the step that
         # used it has been resolved).
@@ -409,7 +409,8 @@ class ModelRunner:
             self._grammar_buffers[self._grammar_buffer_index] = buffer
         host = buffer[:bitmask.size]
         host.numpy()[:] = bitmask.reshape(-1)
-        metadata.grammar_bitmask = host.view(bitmask.shape).to(self.device, non_blocking=True)
+        device_bitmask = host.view(bitmask.shape).to(self.device, non_blocking=True)
+        return device_bitmask, device_rows, row_list
 
     def _prompt_logprobs(
         self, batch: FlatBatch, hidden: torch.Tensor, out: SchedulerOutput, result
