@@ -337,7 +337,7 @@ compile_ptx(fm._sum_k_kernel, dict(src_ptr=B, out_ptr=B, H="i32"),
             dict(K=8, BLOCK=1024, PDL=True), {})
 common = dict(w_ptr=B, out_ptr=B, sorted_ptr=I, expert_ids_ptr=I, num_post_ptr=I, N="i32",
               H="i32", INTER="i32", stride_we="i32", stride_wn="i32", stride_o="i32")
-for rows in (1, 64, 4096):  # decode, medium and large tiles at the Qwen3-30B-A3B shape
+for rows in (1, 64, 512, 4096):  # each band of tiles at the Qwen3-30B-A3B shape
     cfg = fm.moe_config(rows * 8, 128, torch.bfloat16, True)
     for kernel, sig, extra, tile in (
             (fm._gemm1_kernel, dict(x_ptr=B, stride_x="i32", **common), dict(K_TOP=8), cfg.gemm1),

@@ -41,9 +41,11 @@ def test_narrow_bitmask_disallows_the_tokens_past_it():
         assert torch.isinf(ours[index, 32 * words:]).all()
 
 
-def _padded_model(tmp_path, padding: int) -> tuple[str, int]:
+def _padded_model(tmp_path, padding: int, config_eos_past_tokenizer: bool = False
+                  ) -> tuple[str, int]:
     """A tiny random Qwen3 whose embedding has `padding` ids past its small byte-level BPE
-    tokenizer (trained here on JSON text)."""
+    tokenizer (trained here on JSON text); its config's eos is the tokenizer's, or with
+    `config_eos_past_tokenizer` the middle padding id (a config paired with another tokenizer)."""
     from model_factory import make_tiny_model
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -57,8 +59,10 @@ def _padded_model(tmp_path, padding: int) -> tuple[str, int]:
              for i, (n, k) in enumerate([("box", "a"), ("crate", "b"), ("bag", "c")] * 20)]
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-    path = make_tiny_model("qwen3", tmp_path, vocab_size=len(fast) + padding,
-                           eos_token_id=fast.eos_token_id)
+    vocab_size = len(fast) + padding
+    path = make_tiny_model("qwen3", tmp_path, vocab_size=vocab_size,
+                           eos_token_id=len(fast) + padding // 2 if config_eos_past_tokenizer
+                           else fast.eos_token_id)
     fast.save_pretrained(path)
     return str(path), len(fast)
 
@@ -88,5 +92,28 @@ def test_padded_vocabulary(tmp_path, backend):
         assert max(outs[6].outputs[0].token_ids) >= num_tokens
         manager = llm.llm_engine.engine_core.structured_output
         assert manager.vocab_size == num_tokens
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_config_eos_past_the_tokenizer(tmp_path):
+    """The model config's eos id lies past the tokenizer (the H200 benchmark's Qwen3 config with
+    the default model's tokenizer): the bitmask widens to cover it, so grammars build (xgrammar
+    refuses a stop token past its table) and end; a request's own stop id past the bitmask is
+    left out of its grammar's stop tokens instead of failing the build."""
+    path, num_tokens = _padded_model(tmp_path, padding=200, config_eos_past_tokenizer=True)
+    config_eos = num_tokens + 100
+    llm = LLM(path, max_model_len=256)
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=80, stop_token_ids=stop,
+                                 structured_outputs=StructuredOutputsParams(
+                                     json=SCHEMA, disable_any_whitespace=True))
+                  for stop in (None, [config_eos + 50])]
+        outs = llm.generate(["Answer with a JSON value:"] * 2, params, use_tqdm=False)
+        for out in outs:
+            assert out.outputs[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(out.outputs[0].text, strict=False), SCHEMA)
+        assert llm.llm_engine.engine_core.structured_output.vocab_size == config_eos + 1
     finally:
         llm.shutdown()

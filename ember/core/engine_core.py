@@ -60,12 +60,13 @@ class EngineCore(EngineCoreControl):
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         platform = self.executor.platform
         from ember.config import load_engine_tokenizer
+        from ember.engine.processor import eos_token_ids
 
         # Grammars are built on worker threads; the tokenizer is loaded there, on first use.
         self.structured_output = StructuredOutputManager(
             StructuredOutputsConfig.of(args.structured_outputs_config),
             lambda: load_engine_tokenizer(args, self.model_config),
-            self.model_config.vocab_size)
+            self.model_config.vocab_size, eos_token_ids(self.model_config, None))
         self.async_scheduling = args.async_scheduling
         if self.async_scheduling is None:
             # Only a device that runs behind the host gains from overlapping the two.

@@ -57,24 +57,27 @@ class MoeConfig:
 
 def moe_config(num_pairs: int, num_experts: int, dtype: torch.dtype,
                on_gpu: bool) -> MoeConfig:  # fmt: skip
-    """Tiles for an H200-class GPU, chosen by rows per expert (num_pairs / num_experts).
+    """Tiles for an H200-class GPU, chosen by rows per expert (num_pairs / num_experts), as
+    ``python -m ember.bench.moe --kernel`` found them fastest on Qwen3-30B-A3B's layer (1x H200,
+    `benchmarks/results/h200-moe.json`; 9-16% faster than the first hand-picked tiles).
 
-    Decode (a few rows per expert): BLOCK_M 16 (tl.dot's least) and narrow N tiles, so that at
-    batch 1 (8 experts of Qwen3-30B-A3B hit per layer) gemm1 has 8 x 48 programs and gemm2
-    8 x 64, all resident at once on 132 SMs: each hit expert's weights are streamed once, evenly
-    over every SM, with long K tiles keeping bytes in flight. Large batches: 64 x 128 tiles.
-    Under TRITON_INTERPRET small tiles keep CPU tests fast. ``python -m ember.bench.moe
-    --kernel`` times these against a few others on the device."""
+    A few tokens (batch 1: 8 of 128 experts hit): BLOCK_M 16 (tl.dot's least) and 64-wide N
+    tiles with long K tiles and four stages, so that each hit expert's weights stream once,
+    spread over every SM with many bytes in flight. Decode batches (up to ~4 rows per expert):
+    narrower gemm1 tiles, K 256. Prefill-sized batches: BLOCK_M 64, then 128 with 8 warps.
+    Under TRITON_INTERPRET small tiles keep CPU tests fast."""
     if not on_gpu:
         return MoeConfig(16, GemmTile(32, 32, 1, 1), GemmTile(32, 32, 1, 1))
     per_expert = num_pairs / num_experts
     wide = dtype == torch.float32  # double the bytes per tile: halve K so shared memory fits
-    if per_expert <= 4:
-        cfg = MoeConfig(16, GemmTile(16, 256, 4, 3), GemmTile(32, 128, 4, 3))
+    if per_expert <= 0.25:
+        cfg = MoeConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))
+    elif per_expert <= 4:
+        cfg = MoeConfig(16, GemmTile(32, 256, 4, 3), GemmTile(64, 128, 4, 3))
     elif per_expert <= 32:
-        cfg = MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3))
+        cfg = MoeConfig(64, GemmTile(64, 64, 4, 4), GemmTile(128, 64, 4, 4))
     else:
-        cfg = MoeConfig(64, GemmTile(128, 64, 8, 3), GemmTile(128, 64, 8, 3))
+        cfg = MoeConfig(128, GemmTile(128, 64, 8, 3), GemmTile(128, 64, 8, 3))
     if wide:
         cfg = MoeConfig(cfg.block_m, *(GemmTile(t.block_n, t.block_k // 2, t.num_warps, 2)
                                        for t in (cfg.gemm1, cfg.gemm2)))

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -58,11 +58,14 @@ class StructuredOutputRequest:
 
 class StructuredOutputManager:
     def __init__(self, config: StructuredOutputsConfig, load_tokenizer: Callable[[], Any],
-                 vocab_size: int) -> None:
+                 vocab_size: int, model_eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
         self._load_tokenizer = load_tokenizer
         self._tokenizer: Any = None
         self.vocab_size = vocab_size  # bitmask width in tokens (set again with the tokenizer)
+        # The model config's eos ids must fit in the bitmask even where the tokenizer does not
+        # know them (a checkpoint paired with another model's tokenizer), or no grammar could end.
+        self._eos_width = max(model_eos_token_ids, default=-1) + 1
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._backend_lock = threading.Lock()
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()
@@ -96,6 +99,9 @@ class StructuredOutputManager:
     def _build(self, so: StructuredOutputRequest, stop_ids: list[int],
                prompt_token_ids: list[int]) -> Grammar:
         backend = self._backend(so.backend)
+        # A stop id past the bitmask (a request's own stop_token_ids) cannot be sampled under a
+        # grammar: the sampler disallows ids past the bitmask's end, so it cannot end one either.
+        stop_ids = [i for i in stop_ids if i < self.vocab_size]
         if self._gate is not None:
             so.state = self._gate.initial_state(prompt_token_ids)
         return backend.new_grammar(self._compile(backend, so.backend, so.spec), stop_ids)
@@ -116,14 +122,15 @@ class StructuredOutputManager:
             return backend
 
     def _grammar_vocab_size(self, tokenizer: Any) -> int:
-        """The bitmask's width in tokens: the ids the tokenizer has, not the model's logits width.
+        """The bitmask's width in tokens: the ids the tokenizer has (and the model config's eos
+        ids), not the model's logits width.
         A model's vocabulary is often padded past its tokenizer's (Qwen3: 267 ids; a checkpoint
         with another model's tokenizer: 100k); no grammar allows those ids, and the sampler
         disallows the logits past the bitmask's end. Narrower also because xgrammar counts every
         id past the tokenizer as a special token and scans them all in each accept_token (about
         0.5 ns an id: 48 us a token with a 49k tokenizer in a 152k vocabulary, 2 us without)."""
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        return max(len(tokenizer), max(vocab.values(), default=-1) + 1)
+        return max(len(tokenizer), max(vocab.values(), default=-1) + 1, self._eos_width)
 
     def _compile(self, backend: StructuredOutputBackend, name: str, spec: GrammarSpec) -> Any:
         key = (name, spec.key)
