@@ -159,10 +159,14 @@ def test_int4_gemm(dtype, m, n, k, group, config):
 
 
 def test_gemv_config_splits_small_grids():
-    block_n, block_k, split_k, _, _, _ = int4_gemv_config(4096, 4096, 128, 132)
-    assert block_k == 128 and 4096 // block_n * split_k >= 132
-    assert int4_gemv_config(28672, 4096, 128, 132)[2] == 1
-    assert int4_gemv_config(4096, 4096, 32, 132)[1] == 32  # a tile stays inside a group
+    for rows in (1, 4):
+        block_n, block_k, split_k, _, _, _ = int4_gemv_config(4096, 4096, 128, 132, rows)
+        assert block_k == 128 and 4096 // block_n * split_k >= 132
+        assert int4_gemv_config(4096, 4096, 32, 132, rows)[1] == 32  # a tile stays in a group
+    # The H200 sweep's fastest one-row tiles for Llama-3.1-8B's qkv and gate_up projections.
+    assert int4_gemv_config(6144, 4096, 128, 132) == (128, 128, 6, 8, 4, False)
+    assert int4_gemv_config(28672, 4096, 128, 132) == (128, 128, 2, 4, 4, False)
+    assert int4_gemv_config(28672, 4096, 128, 132, 4)[2] == 1
 
 
 LLAMA8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out)

@@ -386,6 +386,20 @@ def test_expert_hit_stats_read_by_a_device_name_without_index():
         fm.count_expert_hits(False)
 
 
+def test_expert_hit_stats_reset_outside_inference_mode():
+    """The counter is made inside the engine's inference mode; a benchmark resets it outside."""
+    from ember.kernels.buffers import release_scratch
+
+    release_scratch("moe_hit_stats")
+    try:
+        with torch.inference_mode():
+            fm._stats(torch.device("cpu"))[:] = torch.tensor([5, 2])
+        assert fm.expert_hit_stats("cpu", reset=True) == (5, 2)
+        assert fm.expert_hit_stats("cpu") == (0, 0)
+    finally:
+        release_scratch("moe_hit_stats")
+
+
 def test_scratch_buffers_are_keyed_by_the_device_not_its_spelling():
     from ember.kernels.buffers import release_scratch, scratch_buffer
 

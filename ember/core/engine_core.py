@@ -224,6 +224,7 @@ class EngineCore(EngineCoreControl):
         bitmask = self.structured_output.fill(grammar_rows)
         self.timer.mark("grammar")
         self.executor.finish_sampling(self._in_flight[1], bitmask)
+        self.timer.mark("sample")
 
     def _report_failed(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         """Requests whose grammar could not be built end with finish_reason "abort"."""

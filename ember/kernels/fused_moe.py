@@ -275,7 +275,8 @@ def expert_hit_stats(device: torch.device | str, reset: bool = False) -> tuple[i
     buf = _stats(torch.device(device))
     hits, calls = buf.tolist()
     if reset:
-        buf.zero_()
+        with torch.inference_mode():  # the buffer was made under the engine's inference mode
+            buf.zero_()
     return hits, calls
 
 

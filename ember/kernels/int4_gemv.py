@@ -89,18 +89,21 @@ def block_k_for(group_size: int, block_k: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def int4_gemv_config(n: int, k: int, group_size: int,
-                     sms: int) -> tuple[int, int, int, int, int, bool]:
-    """(block_n, block_k, split_k, num_warps, num_stages, fma) for an [k, n] weight: 64-column
-    tiles of 128 rows on the tensor cores, and K splits until the grid holds about two programs
-    per SM (a decode projection of 4096 outputs has only 64 tiles). Not tuned on hardware yet: a
-    first rule (ember.bench.quant kernels --sweep times the alternatives)."""
-    block_n = 64
+def int4_gemv_config(n: int, k: int, group_size: int, sms: int,
+                     rows: int = 1) -> tuple[int, int, int, int, int, bool]:
+    """(block_n, block_k, split_k, num_warps, num_stages, fma) for an [k, n] weight: tiles of
+    128 rows on the tensor cores, and K splits until the grid holds about two programs per SM
+    (a decode projection of 4096 outputs has few tiles). One row: 128-wide tiles, with 8 warps
+    for weights up to 32M elements, as ``ember.bench.quant kernels --sweep`` found fastest on
+    an H200 for Llama-3.1-8B's projections (23-35% faster than 64-wide tiles with 4 warps,
+    `benchmarks/results/h200-quant-kernels.json`); more rows keep 64-wide tiles (not swept)."""
+    block_n = 128 if rows == 1 else 64
+    num_warps = 8 if rows == 1 and n * k <= 32 * 2**20 else 4
     block_k = block_k_for(group_size, 128)
     tiles = cdiv(n, block_n)
     steps = cdiv(k, block_k)
     split_k = max(1, min(cdiv(2 * sms, tiles), steps // 4 or 1))
-    return block_n, block_k, split_k, 4, 4, False
+    return block_n, block_k, split_k, num_warps, 4, False
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -120,7 +123,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     if m == 0 or n == 0:
         return out
     block_n, block_k, split_k, num_warps, num_stages, *rest = (
-        config or int4_gemv_config(n, k, group_size, num_sms(x.device)))
+        config or int4_gemv_config(n, k, group_size, num_sms(x.device), m))
     fma = bool(rest and rest[0]) and m == 1
     assert group_size % block_k == 0 or group_size == k, "a tile must not straddle two groups"
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
