@@ -298,11 +298,12 @@ def text_only_config(hf_config: PretrainedConfig, arch: str) -> PretrainedConfig
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False) -> tuple[PretrainedConfig, bool]:
-    """The HF config of a directory (config.json) or a GGUF file (its metadata)."""
+    """The HF config of a directory (config.json) or a GGUF file (its metadata, as a
+    GGUFModelConfig: the same attributes without importing transformers' config classes)."""
     if path.endswith(".gguf"):
-        from ember.models.loader.gguf import gguf_hf_config
+        from ember.models.loader.gguf import gguf_model_config
 
-        return gguf_hf_config(path), True
+        return gguf_model_config(path), True
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model directory {path!r} has no config.json")
     from transformers import AutoConfig

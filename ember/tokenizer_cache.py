@@ -29,13 +29,13 @@ _MARKER = "ember_tokenizer_cache.json"  # written last: a directory without it i
 
 def entry_dir(gguf_path: str) -> str | None:
     """This file's cache directory (which may not exist yet), or None when caching is off."""
-    import transformers
+    from importlib.metadata import version
 
     root = envs.cache_dir()
     if root is None:
         return None
     st = os.stat(gguf_path)
-    key = f"{os.path.realpath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    key = f"{os.path.realpath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{version('transformers')}"
     return os.path.join(root, "gguf-tokenizers", hashlib.sha256(key.encode()).hexdigest()[:32])
 
 
@@ -45,11 +45,13 @@ def load(gguf_path: str) -> PreTrainedTokenizerBase | None:
     if directory is None or not os.path.isfile(os.path.join(directory, _MARKER)):
         return None
     try:
-        from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+        import transformers
 
         with open(os.path.join(directory, _MARKER)) as f:
             meta = json.load(f)
-        tokenizer_cls = tokenizer_class_from_name(meta["class"])
+        # The class by its top-level name: imports its own module only, where transformers'
+        # tokenizer_class_from_name imports the auto mappings (~0.6 s).
+        tokenizer_cls = getattr(transformers, meta["class"], None)
         if tokenizer_cls is None:
             return None
         tokenizer = tokenizer_cls.from_pretrained(directory, local_files_only=True)

@@ -392,3 +392,41 @@ def test_synthetic_missing_last_byte(tmp_path):
     path.write_bytes(data[:-1])
     with pytest.raises(ValueError, match="corrupt or truncated.*tensor 'rope_freqs.weight'"):
         gguf_hf_config(str(path))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_engine_config_reads_as_transformers_config(tmp_path, arch):
+    """The engine's GGUF config (no transformers import) gives every attribute ember's models
+    read as transformers' config class does from the same file, rope and windows included."""
+    from ember.layers.rotary import rope_settings
+    from ember.models.llama import layer_sliding_window
+    from ember.models.loader.gguf import gguf_model_config
+
+    path = str(tmp_path / f"{arch}.gguf")
+    write_gguf(path, arch, tied=arch == "qwen2")
+    light, ref = gguf_model_config(path), gguf_hf_config(path)
+    assert light.get_text_config() is light
+    for name, value in light.to_dict().items():
+        if name in ("rope_theta", "torch_dtype"):
+            continue  # transformers 5 keeps them as rope_parameters and dtype
+        assert getattr(ref, name, None) == value, name
+    read_with_defaults = ("hidden_act", "attention_bias", "mlp_bias", "num_key_value_heads",
+                          "head_dim", "tie_word_embeddings", "rms_norm_eps",
+                          "max_position_embeddings", "vocab_size", "intermediate_size")
+    for name in read_with_defaults:
+        assert getattr(light, name, None) == getattr(ref, name, None), name
+    assert rope_settings(light) == rope_settings(ref)
+    assert [layer_sliding_window(light, i) for i in range(2)] == \
+        [layer_sliding_window(ref, i) for i in range(2)]
+    assert type(light.to_transformers()) is type(ref)
+
+
+def test_engine_config_of_the_default_model(gguf_path):
+    from ember.layers.rotary import rope_settings
+    from ember.models.loader.gguf import gguf_model_config
+
+    light, ref = gguf_model_config(gguf_path), gguf_hf_config(gguf_path)
+    for name, value in light.to_dict().items():
+        if name not in ("rope_theta", "torch_dtype"):
+            assert getattr(ref, name, None) == value, name
+    assert rope_settings(light) == rope_settings(ref)

@@ -103,6 +103,8 @@ def run_hf(ns, workload, cfg, dtype, device, platform) -> dict:
     from transformers import AutoModelForCausalLM
 
     hf_config = cfg.hf_config
+    if hasattr(hf_config, "to_transformers"):  # a GGUF file's light config
+        hf_config = hf_config.to_transformers()
     hf_config._attn_implementation = "sdpa"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()

@@ -126,11 +126,10 @@ def build_worker(args: EngineArgs) -> BuiltWorker:
 
     profile = StartupProfile()
     with profile.stage("imports"):
-        # The first imports of torch and of transformers' config classes (which every model
-        # config goes through) are most of this stage; without these lines they would land in
-        # whichever stage first needed them (config, weights).
+        # The first import of torch is most of this stage; without this line it would land in
+        # whichever stage first needed it. (transformers is imported by the config stage when a
+        # directory's config.json needs it; a GGUF file's config does not.)
         import torch  # noqa: F401
-        from transformers import AutoConfig  # noqa: F401
 
         from ember.config import resolve_model_config
         from ember.distributed.parallel_state import agree_min, get_world_size

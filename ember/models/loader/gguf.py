@@ -1,4 +1,4 @@
-"""GGUF checkpoints: parse the header, build the HF config from its metadata, and yield its tensors
+"""GGUF checkpoints: parse the header, build the model config from its metadata, and yield its tensors
 in HF layout, one at a time: dequantized to float32, or (inside ``keep_quantized()``, which the
 ``gguf`` quantization method opens while the model loads) the quantized weights of the decoder's
 linear layers as their raw blocks (uint8 [rows, row bytes], tagged with ``gguf_qtype``).
@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ember.models.loader.gguf_config import GGUFModelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -236,8 +238,12 @@ def hf_model_type(gguf_architecture: str) -> str | None:
 
 def gguf_hf_config(path: str) -> PretrainedConfig:
     """The transformers config described by the GGUF metadata (what transformers builds too)."""
-    from transformers import AutoConfig
+    return gguf_model_config(path).to_transformers()
 
+
+def gguf_model_config(path: str) -> GGUFModelConfig:
+    """The config the engine runs a GGUF file with: gguf_hf_config's values without importing
+    transformers' config classes (ember.models.loader.gguf_config)."""
     header = read_gguf_header(path)
     arch, meta = header.architecture, header.metadata
     if arch not in _ARCHS:
@@ -274,7 +280,7 @@ def gguf_hf_config(path: str) -> PretrainedConfig:
     ]
     if missing:
         raise ValueError(f"GGUF file {path!r} lacks metadata for {missing} ({arch}.* keys)")
-    return AutoConfig.for_model(model_type, **kwargs)
+    return GGUFModelConfig(model_type, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
