@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from ember.config import EngineArgs
@@ -82,6 +83,8 @@ class EngineCore(EngineCoreControl):
             max_concurrent_batches=args.concurrent_batches(),
         )
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # (plan, launched step)
+        # The in-flight step's bitmask being filled (its sampling is launched with the next step).
+        self._pending_bitmask: Future | None = None
         # Pipeline parallelism: up to max_concurrent_batches (plan, launched step), oldest
         # first, and the most that were ever in flight at once (tests, benchmarks).
         self.max_concurrent_batches = args.concurrent_batches()
@@ -149,9 +152,11 @@ class EngineCore(EngineCoreControl):
         # Structured outputs under async scheduling: a step's forward does not need its bitmask,
         # only its sampling does, and the bitmask needs the tokens of the step still in flight.
         # So the step is launched with its sampling deferred, the step before is folded in (its
-        # tokens advance the grammars) while the forward runs, and then the bitmask is filled
-        # and the sampling launched. An executor that cannot defer folds the step before in
-        # first instead (its grammar rows would otherwise be masked by a stale grammar state).
+        # tokens advance the grammars) while the forward runs, and then the bitmask is filled on
+        # the backends' threads while this thread hands outputs over and schedules the next
+        # step, whose launch is preceded by this one's sampling. An executor that cannot defer
+        # folds the step before in first instead (its grammar rows would otherwise be masked by
+        # a stale grammar state).
         defer = self.async_scheduling and getattr(self.executor, "defers_grammar_sampling",
                                                   False)
         folded = None
@@ -161,6 +166,9 @@ class EngineCore(EngineCoreControl):
             folded = self._fold_in(prev[0], prev[1].resolve())
         scheduler = self.scheduler
         plan = scheduler.schedule()
+        if self._pending_bitmask is not None:  # filled while the engine scheduled
+            timer.mark("schedule")
+            self._launch_deferred_sampling()
         grammar_rows = (structured.sampling_rows(plan)
                         if structured.in_use and plan.scheduled_requests else None)
         if grammar_rows:
@@ -183,7 +191,11 @@ class EngineCore(EngineCoreControl):
         timer.mark("wait")
         outputs = self._fold_in(launched[0], result)
         if plan.grammar_deferred:
-            self._finish_sampling(plan, grammar_rows)
+            # The backends fill the bitmask on their own threads while this thread hands the
+            # outputs over and schedules the next step; the sampling is launched before the
+            # next step is (that step reads the sampled tokens on the device).
+            self._pending_bitmask = structured.fill_async(grammar_rows)
+            timer.mark("grammar")
         return self._report_failed(outputs)
 
     def _step_batch_queue(self) -> EngineCoreOutputs:
@@ -217,6 +229,14 @@ class EngineCore(EngineCoreControl):
         result = launched.resolve()
         timer.mark("wait")
         return self._report_failed(self._fold_in(plan, result))
+
+    def _launch_deferred_sampling(self) -> None:
+        """Launch the in-flight step's sampling under the bitmask filled for it meanwhile."""
+        pending, self._pending_bitmask = self._pending_bitmask, None
+        bitmask = pending.result()
+        self.timer.mark("grammar")
+        self.executor.finish_sampling(self._in_flight[1], bitmask)
+        self.timer.mark("sample")
 
     def _finish_sampling(self, plan: SchedulerOutput, grammar_rows: list) -> None:
         """Fill the in-flight step's bitmask from the grammars' current states and launch its

@@ -71,6 +71,7 @@ class StructuredOutputManager:
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()
         self._compiled_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._fill_thread: ThreadPoolExecutor | None = None  # fill_async's
         self._done = threading.Condition()  # notified when a build finishes
         self.num_compiled = 0  # compiles done (cache misses), for tests and stats
         self.in_use = False  # some request had structured outputs (else steps skip the bitmask)
@@ -216,8 +217,25 @@ class StructuredOutputManager:
         req_ids[i]), from their grammars' current states; each backend fills its rows in one
         call (in parallel where it can). Left out, so unmasked: requests finished by the token
         folded in last (their sample is dropped), still reasoning, or with a complete grammar."""
+        return self._fill_rows(self._rows(requests))
+
+    def fill_async(self, requests: list[Request]) -> Future:
+        """fill() with the backends' native fill running on while this thread goes on (the
+        built-in backends release the GIL inside it). The rows are chosen here (tokens not yet
+        seen replayed), so no grammar may advance before the result is taken. This thread waits
+        until the fill has started: a thread that needs the GIL while another runs Python gets
+        it only after the switch interval (5 ms), longer than the work it would overlap."""
+        if self._fill_thread is None:
+            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-bitmask")
+        started = threading.Event()
+        future = self._fill_thread.submit(self._fill_rows, self._rows(requests), started)
+        started.wait()
+        return future
+
+    def _rows(self, requests: list[Request]) -> tuple:
+        """(the requests with a bitmask row, each backend's grammars and rows, the rows whose
+        first token may open a reasoning block, the bitmask to fill: every token allowed)."""
         import numpy as np
-        import torch
 
         constrained: list[Request] = []
         by_backend: dict[str, tuple[list, list[int]]] = {}
@@ -248,9 +266,18 @@ class StructuredOutputManager:
         # threads then compete with the grammar backends' fill threads (4x slower on an H200
         # host with 16 cores).
         array = np.full((len(constrained), (self.vocab_size + 31) // 32), -1, dtype=np.int32)
+        return constrained, by_backend, undecided, array
+
+    def _fill_rows(self, rows: tuple, started: threading.Event | None = None) -> GrammarBitmask:
+        import numpy as np
+        import torch
+
+        constrained, by_backend, undecided, array = rows
         bitmask = torch.from_numpy(array)
-        for name, (grammars, rows) in by_backend.items():
-            self._backends[name].fill_bitmasks(grammars, bitmask, rows)
+        if started is not None:
+            started.set()
+        for name, (grammars, row_ids) in by_backend.items():
+            self._backends[name].fill_bitmasks(grammars, bitmask, row_ids)
         if undecided:  # the first token may also open a reasoning block
             start_id = self._gate.start_id  # type: ignore[union-attr]
             word, bit = divmod(start_id, 32)
@@ -261,3 +288,6 @@ class StructuredOutputManager:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        if self._fill_thread is not None:
+            self._fill_thread.shutdown(wait=True)
+            self._fill_thread = None

@@ -40,6 +40,7 @@ _VERSIONS = (2, 3)  # v1 used 32-bit counts and is long gone
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 # GGUF metadata value types -> (struct format, numpy dtype)
 _SCALARS: dict[int, tuple[str, str]] = {
     0: ("<B", "<u1"), 1: ("<b", "<i1"), 2: ("<H", "<u2"), 3: ("<h", "<i2"),
@@ -102,6 +103,28 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise _Corrupt(f"{what} is not valid UTF-8") from e
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """`count` strings in a row: string()'s checks in one loop (a vocabulary holds ~10^5
+        of them; calling string() per entry was most of the header's parse time)."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        length = _U64.unpack_from
+        try:
+            for _ in range(count):
+                if pos + 8 > size:
+                    raise _Corrupt(f"{what} at byte {pos} runs past the end of the file ({size} "
+                                   "bytes)")
+                (n,) = length(buf, pos)
+                pos += 8
+                if pos + n > size:
+                    raise _Corrupt(f"{what} at byte {pos} runs past the end of the file ({size} "
+                                   "bytes)")
+                out.append(buf[pos : pos + n].decode("utf-8"))
+                pos += n
+        except UnicodeDecodeError as e:
+            raise _Corrupt(f"{what} is not valid UTF-8") from e
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, what: str) -> Any:
         if vtype == _STRING:
             return self.string(what)
@@ -112,7 +135,7 @@ class _Cursor:
         itype, count = self.scalar("<I", what), self.scalar("<Q", what)
         if itype == _STRING:
             self.need(count * 8, what)  # each string takes at least its 8-byte length
-            return [self.string(what) for _ in range(count)]
+            return self.strings(count, what)
         if itype not in _SCALARS:
             raise _Corrupt(f"{what} is an array of unknown type {itype}")
         dtype = np.dtype(_SCALARS[itype][1])
