@@ -3,8 +3,9 @@
 N chat requests, each constrained by one of a set of real-world JSON schemas (greedy), against
 the same requests unconstrained, each generating exactly as many tokens as its constrained twin
 (`ignore_eos`, `max_tokens` = that count), so both runs do the same work apart from the grammar.
-The constrained run is timed a second time, once every grammar is compiled (the first run is
-the warm-up). Also the compile time of each schema on a cold backend (p50/p99).
+After a warm-up of each (every grammar compiled), `--repeats` rounds each time the constrained
+run then the unconstrained one; the ratio reported is the median of the rounds'. Also the
+compile time of each schema on a cold backend (p50/p99).
 --out writes the results as JSON.
 """
 
@@ -109,33 +110,44 @@ def run(ns: argparse.Namespace) -> dict:
                                       disable_any_whitespace=ns.compact))
                    for i in range(ns.num_prompts)]
     compile_stats = _compile_times(llm, ns.backend)
-    llm.generate(prompts, constrained, use_tqdm=False)  # warm-up: every grammar compiled
-    timer = _reset_timer(llm)
-    start = time.perf_counter()
+    # Warm-ups: every grammar compiled; the constrained outputs fix each request's length.
     outs = llm.generate(prompts, constrained, use_tqdm=False)
-    constrained_s = time.perf_counter() - start
-    constrained_timing = _timing(timer)
     counts = [len(o.outputs[0].token_ids) for o in outs]
-    valid = sum(is_json(o.outputs[0].text) for o in outs)
     plain = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in counts]
     llm.generate(prompts, plain, use_tqdm=False)
-    timer = _reset_timer(llm)
-    start = time.perf_counter()
-    plain_outs = llm.generate(prompts, plain, use_tqdm=False)
-    plain_s = time.perf_counter() - start
-    plain_timing = _timing(timer)
-    assert [len(o.outputs[0].token_ids) for o in plain_outs] == counts
+
+    def timed(params: list) -> tuple[float, dict | None, list]:
+        timer = _reset_timer(llm)
+        start = time.perf_counter()
+        run_outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        assert [len(o.outputs[0].token_ids) for o in run_outs] == counts
+        return seconds, _timing(timer), run_outs
+
+    # The two variants alternate, so a machine whose speed drifts between them (the H200 host's
+    # unconstrained runs have differed 1.7x from one invocation to the next) shows in the spread
+    # of the rounds' ratios rather than in one ratio.
+    rounds = []
+    for _ in range(ns.repeats):
+        constrained_s, constrained_timing, outs = timed(constrained)
+        plain_s, plain_timing, _ = timed(plain)
+        rounds.append({"constrained_s": round(constrained_s, 4), "unconstrained_s":
+                       round(plain_s, 4), "ratio": round(plain_s / constrained_s, 4)})
+    valid = sum(is_json(o.outputs[0].text) for o in outs)
     tokens = sum(counts)
+    ratios = [r["ratio"] for r in rounds]
     result = {
         "commit": git_commit(), "model": ns.model or "SmolLM2-135M-Instruct (default)",
         "platform": llm.platform, "backend_setting": ns.backend, "requests": ns.num_prompts,
         "output_tokens": tokens, "outputs_valid_json": valid,
-        "constrained_tok_s": tokens / constrained_s, "unconstrained_tok_s": tokens / plain_s,
-        "constrained_over_unconstrained": plain_s / constrained_s,
+        "constrained_tok_s": tokens / statistics.median(r["constrained_s"] for r in rounds),
+        "unconstrained_tok_s": tokens / statistics.median(r["unconstrained_s"] for r in rounds),
+        "constrained_over_unconstrained": statistics.median(ratios),
+        "ratio_min_max": [min(ratios), max(ratios)], "rounds": rounds,
         "compile": compile_stats,
         "load_average": list(os.getloadavg()),  # a shared machine: how busy it was
     }
-    if constrained_timing is not None:  # EMBER_STEP_TIMING=1: ms per step in each phase
+    if constrained_timing is not None:  # EMBER_STEP_TIMING=1: ms per step, the last round
         result["step_ms"] = {"constrained": constrained_timing, "unconstrained": plain_timing}
     llm.shutdown()
     return result
@@ -178,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="auto", help="auto, xgrammar, guidance, ...")
     parser.add_argument("--compact", action="store_true",
                         help="disable_any_whitespace (needed with dummy weights)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed rounds, each constrained then unconstrained (median ratio)")
     parser.add_argument("--out", default=None)
     ns = parser.parse_args(argv)
     result = run(ns)
