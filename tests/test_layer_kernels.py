@@ -297,3 +297,31 @@ def test_argmax_rows_matches_torch_including_ties(rows):
         assert got.dtype == torch.int64
         assert torch.equal(got.cpu(), logits.argmax(dim=-1).cpu())
     assert torch.count_nonzero(merge_counters(1, logits.device)) == 0
+
+
+def test_masked_argmax_rows_matches_torch():
+    """Under a grammar bitmask narrower than the vocabulary: masked rows take the argmax of
+    their allowed tokens (none past the bitmask, ties to the first), unmasked rows (-1) the
+    plain argmax, a row with nothing allowed gives 0 as torch's argmax of all -inf does; the
+    bitmask rows are looked up through mask_rows, in any order."""
+    from ember.structured_output.bitmask import unpack_bitmask
+
+    rows, vocab, words = 5, 10_000, 200  # the bitmask covers 6,400 of the 10,000 tokens
+    logits = _randn(rows, vocab, dtype=torch.float32, seed=3)
+    logits[:, 9_000] = 100.0  # past the bitmask: wins only in unmasked rows
+    gen = torch.Generator().manual_seed(4)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), dtype=torch.int32, generator=gen)
+    bitmask[2] = 0  # nothing allowed
+    logits[0, 5_000] = logits[0, 100] = 50.0  # a tie inside row 0's allowed tokens...
+    bitmask[1, 100 // 32] |= 1 << (100 % 32)  # (row 0 reads bitmask row 1)
+    bitmask[1, 5_000 // 32] |= 1 << (5_000 % 32)
+    mask_rows = torch.tensor([1, -1, 0, 2, -1], dtype=torch.int32)
+    ref = logits.cpu().clone()
+    for row, m in enumerate(mask_rows.tolist()):
+        if m >= 0:
+            ref[row] = ref[row].masked_fill(~unpack_bitmask(bitmask[m:m + 1], vocab)[0],
+                                            float("-inf"))
+    want = ref.argmax(dim=-1)
+    assert want[0] == 100 and want[1] == 9_000 and want[3] == 0
+    got = argmax_rows(logits, bitmask.to(DEV), mask_rows.to(DEV))
+    assert torch.equal(got.cpu(), want.cpu())

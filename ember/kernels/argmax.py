@@ -1,8 +1,12 @@
-"""Greedy argmax of a few rows of logits, over vocabulary chunks, in one kernel.
+"""Greedy argmax of rows of logits, over vocabulary chunks, in one kernel; optionally under a
+grammar's token bitmask.
 
 Torch reduces a row in one thread block, which for a large vocabulary at batch 1 is a visible
 share of a decode step; this spreads each row over many programs and lets the last one to
-finish merge them (ties go to the smallest index, as torch's do).
+finish merge them (ties go to the smallest index, as torch's do). With a bitmask (structured
+outputs, greedy rows) each program reads its chunk's bits and leaves the disallowed tokens out
+(as -inf), in place of unpacking the bitmask, masking a float copy of the logits and taking the
+argmax in some ten torch ops.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ CHUNK = 4096  # vocabulary entries per program
 
 @triton.jit
 def _argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, counters_ptr, out_ptr, n_cols, stride_x,
-                   num_chunks, CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+                   num_chunks, mask_ptr, mask_rows_ptr, mask_words, stride_m,
+                   CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, HAS_MASK: tl.constexpr):
     # Grid (rows, chunks): each program finds its chunk's max and first index of it; the last
     # program of a row to finish (an atomic count per row, no second kernel) picks the winner
     # (largest value, then smallest index: torch's first-occurrence rule) and resets the count.
@@ -27,6 +32,13 @@ def _argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, counters_ptr, out_ptr, n_c
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < n_cols,
                 other=float("-inf")).to(tl.float32)
+    if HAS_MASK:  # mask_rows[row]: this row's bitmask row, -1 for none (every token allowed)
+        mask_row = tl.load(mask_rows_ptr + row)
+        if mask_row >= 0:
+            word = offs // 32
+            bits = tl.load(mask_ptr + mask_row.to(tl.int64) * stride_m + word,
+                           mask=word < mask_words, other=0)  # past the bitmask: disallowed
+            x = tl.where(((bits >> (offs % 32)) & 1) != 0, x, float("-inf"))
     part = row * num_chunks + chunk
     tl.store(part_val_ptr + part, tl.max(x, 0))
     tl.store(part_idx_ptr + part, chunk * CHUNK + tl.argmax(x, 0, tie_break_left=True))
@@ -43,10 +55,19 @@ def _argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, counters_ptr, out_ptr, n_c
         tl.atomic_xchg(counters_ptr + row, 0)
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` of a 2-D float tensor with unit stride along its rows."""
+def argmax_rows(x: torch.Tensor, bitmask: torch.Tensor | None = None,
+                mask_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D float tensor with unit stride along its rows. With
+    ``bitmask`` (int32 [B, words], bit j of word w allowing token 32w + j) and ``mask_rows``
+    (int32 [rows]: the bitmask row of each row, -1 for none), a masked row's argmax is over
+    its allowed tokens only (tokens past the bitmask are disallowed), as torch's argmax of the
+    logits with the others at -inf."""
     rows, n_cols = x.shape
     assert x.stride(-1) == 1
+    has_mask = bitmask is not None
+    if has_mask:
+        assert mask_rows is not None and mask_rows.shape == (rows,)
+        assert bitmask.dtype == torch.int32 and bitmask.stride(-1) == 1
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out
@@ -55,6 +76,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     part_idx = torch.empty(rows * num_chunks, dtype=torch.int32, device=x.device)
     _argmax_kernel[(rows, num_chunks)](
         x, part_val, part_idx, merge_counters(rows, x.device), out, n_cols, x.stride(0), num_chunks,
-        CHUNK=CHUNK, CHUNKS_PAD=next_power_of_2(num_chunks), num_warps=8,
+        bitmask if has_mask else out, mask_rows if has_mask else out,
+        bitmask.shape[1] if has_mask else 0, bitmask.stride(0) if has_mask else 0,
+        CHUNK=CHUNK, CHUNKS_PAD=next_power_of_2(num_chunks), HAS_MASK=has_mask, num_warps=8,
     )
     return out

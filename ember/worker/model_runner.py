@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ember import kernels
 from ember.attention_backends.base import AttentionBackend, AttentionMetadata
 from ember.config import ModelConfig
 from ember.core.scheduler_output import GrammarBitmask, SchedulerOutput
+from ember.kernels import dispatch
 from ember.layers.sampler import Sampler, greedy_argmax
 from ember.logits_processors.interface import ProcessorContext, to_device
 from ember.logits_processors.pipeline import LogitsProcessorSet
@@ -334,7 +336,12 @@ class ModelRunner:
             _plain_greedy(s.sampling_params, len(s.output_token_ids), processors) for s in rows
         ):
             # Nothing to build: no penalties or logprobs, just the argmax (of the masked logits
-            # under a grammar: the sampler would mask them alike, in place, then take it).
+            # under a grammar: the sampler would mask them alike, in place, then take it; on a
+            # GPU one kernel reads the bitmask and the logits as they are).
+            if grammar is not None and dispatch.on_gpu(logits) and \
+                    dispatch.layer_kernels_enabled():
+                step.attach_samples(rows, self._masked_argmax(logits, rows, grammar), None)
+                return
             if grammar is not None:
                 logits = self._masked_logits(logits, rows, grammar)
             step.attach_samples(rows, greedy_argmax(logits), None)
@@ -374,6 +381,43 @@ class ModelRunner:
         mask = self._grammar_mask(rows, grammar)
         return logits if mask is None else apply_token_bitmask_(logits, *mask)
 
+    def _masked_argmax(self, logits: torch.Tensor, rows: list,
+                       grammar: GrammarBitmask) -> torch.Tensor:
+        """Greedy ids under the grammar rows' bitmask (ember.kernels.argmax): the bitmask goes
+        to the device as the scheduler made it, with each logits row's bitmask row (or -1)."""
+        index = {state.req_id: i for i, state in enumerate(rows)}
+        mask_rows = np.full(len(rows), -1, dtype=np.int32)
+        for j, req_id in enumerate(grammar.req_ids):
+            i = index.get(req_id)
+            if i is not None:
+                mask_rows[i] = j
+        if not (mask_rows >= 0).any():
+            return greedy_argmax(logits)
+        bitmask = grammar.bitmask.numpy()
+        # One copy for both: the row map, then the bitmask.
+        both = self._pinned_to_device(mask_rows, bitmask)
+        return kernels.argmax.argmax_rows(
+            logits, both[len(rows):].view(bitmask.shape), both[:len(rows)])
+
+    def _pinned_to_device(self, *arrays: np.ndarray) -> torch.Tensor:
+        """int32 host arrays on the device, one after another (flat; one array keeps its shape),
+        copied from page-locked memory without blocking. Two buffers used in turn: the copy out
+        of one is done by the time it comes round again (the step that used it is resolved)."""
+        size = sum(a.size for a in arrays)
+        self._grammar_buffer_index ^= 1
+        buffer = self._grammar_buffers[self._grammar_buffer_index]
+        if buffer is None or buffer.numel() < size:
+            buffer = self.platform.empty_host_buffer(max(size, 2 * (
+                0 if buffer is None else buffer.numel())), torch.int32)
+            self._grammar_buffers[self._grammar_buffer_index] = buffer
+        host, flat, start = buffer[:size], buffer.numpy(), 0
+        for array in arrays:
+            flat[start:start + array.size] = array.reshape(-1)
+            start += array.size
+        if len(arrays) == 1:
+            host = host.view(arrays[0].shape)
+        return host.to(self.device, non_blocking=True)
+
     def _grammar_mask(self, rows: list, grammar: GrammarBitmask
                       ) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None] | None:
         """Structured outputs: the scheduler's bitmask rows laid out as this step's logits rows
@@ -398,19 +442,7 @@ class ModelRunner:
             row_list = None
         if self.platform.device_is_host():
             return torch.from_numpy(bitmask), device_rows, row_list
-        # A device of its own: copy from page-locked memory without blocking. Two buffers used
-        # in turn: the copy out of one is done by the time it comes round again (the step that
-        # used it has been resolved).
-        self._grammar_buffer_index ^= 1
-        buffer = self._grammar_buffers[self._grammar_buffer_index]
-        if buffer is None or buffer.numel() < bitmask.size:
-            buffer = self.platform.empty_host_buffer(max(bitmask.size, 2 * (
-                0 if buffer is None else buffer.numel())), torch.int32)
-            self._grammar_buffers[self._grammar_buffer_index] = buffer
-        host = buffer[:bitmask.size]
-        host.numpy()[:] = bitmask.reshape(-1)
-        device_bitmask = host.view(bitmask.shape).to(self.device, non_blocking=True)
-        return device_bitmask, device_rows, row_list
+        return self._pinned_to_device(bitmask), device_rows, row_list
 
     def _prompt_logprobs(
         self, batch: FlatBatch, hidden: torch.Tensor, out: SchedulerOutput, result
