@@ -272,10 +272,10 @@ class StructuredOutputManager:
         import numpy as np
         import torch
 
+        if started is not None:  # first, so that nothing below can leave fill_async waiting
+            started.set()
         constrained, by_backend, undecided, array = rows
         bitmask = torch.from_numpy(array)
-        if started is not None:
-            started.set()
         for name, (grammars, row_ids) in by_backend.items():
             self._backends[name].fill_bitmasks(grammars, bitmask, row_ids)
         if undecided:  # the first token may also open a reasoning block
