@@ -216,6 +216,17 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
+    def eos_token_ids(self, tokenizer: Any = None) -> set[int]:
+        """Every id that ends a sequence: the model config's eos ids and the tokenizer's."""
+        ids: set[int] = set()
+        for source in (self.hf_config, tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return ids
+
 
 def resolve_model_path(model: str | None, revision: str | None = None,
                        download_dir: str | None = None, progress: bool | None = None) -> str:

@@ -61,17 +61,20 @@ class EngineCore(EngineCoreControl):
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         platform = self.executor.platform
         from ember.config import load_engine_tokenizer
-        from ember.engine.processor import eos_token_ids
 
         # Grammars are built on worker threads; the tokenizer is loaded there, on first use.
         self.structured_output = StructuredOutputManager(
             StructuredOutputsConfig.of(args.structured_outputs_config),
             lambda: load_engine_tokenizer(args, self.model_config),
-            self.model_config.vocab_size, eos_token_ids(self.model_config, None))
+            self.model_config.vocab_size, self.model_config.eos_token_ids())
         self.async_scheduling = args.async_scheduling
         if self.async_scheduling is None:
             # Only a device that runs behind the host gains from overlapping the two.
             self.async_scheduling = platform.async_scheduling_default
+        # Structured outputs under async scheduling (see step()): whether a step's sampling can
+        # wait for its bitmask while its forward runs.
+        self._defer_grammar_sampling = self.async_scheduling and getattr(
+            self.executor, "defers_grammar_sampling", False)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             self.executor.max_num_batched_tokens,
@@ -157,8 +160,7 @@ class EngineCore(EngineCoreControl):
         # step, whose launch is preceded by this one's sampling. An executor that cannot defer
         # folds the step before in first instead (its grammar rows would otherwise be masked by
         # a stale grammar state).
-        defer = self.async_scheduling and getattr(self.executor, "defers_grammar_sampling",
-                                                  False)
+        defer = self._defer_grammar_sampling
         folded = None
         if (not defer and self._in_flight is not None
                 and self._in_flight[0].grammar_bitmask is not None):

@@ -16,18 +16,6 @@ from ember.logits_processors.validation import validate_request_params
 from ember.sampling_params import SamplingParams
 
 
-def eos_token_ids(model_config: ModelConfig, tokenizer) -> set[int]:
-    """Every id that ends a sequence: the model config's eos ids and the tokenizer's."""
-    ids: set[int] = set()
-    for source in (model_config.hf_config, tokenizer):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return ids
-
-
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
@@ -40,7 +28,7 @@ class InputProcessor:
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.vocab_size
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids(model_config, tokenizer)
+        self.eos_token_ids = model_config.eos_token_ids(tokenizer)
         self._eos_list = sorted(self.eos_token_ids)
 
     @staticmethod
