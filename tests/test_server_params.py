@@ -289,7 +289,7 @@ def test_dev_endpoints(server, trusting):
 
 def test_model_generation_defaults_fill_unset_fields(server):
     from ember.entrypoints.openai.protocol import CompletionRequest
-    from ember.entrypoints.openai.serving_common import sampling_params
+    from ember.entrypoints.openai.serving_params import sampling_params
 
     ctx = server.open.app.state.ctx
     saved = ctx.default_sampling

@@ -34,21 +34,18 @@ from ember.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from ember.entrypoints.openai.serving_common import (
-    SSE_DONE,
-    EventStreamResponse,
-    ServingContext,
+from ember.entrypoints.openai.serving_common import ServingContext
+from ember.entrypoints.openai.serving_params import (
     beam_search_params,
     check_priority,
     check_stream_options,
     continuous_usage,
     engine_prompt,
     sampling_params,
-    sse,
     truncate_prompt,
-    until_disconnect,
     validate_structured_outputs,
 )
+from ember.entrypoints.openai.serving_streams import SSE_DONE, EventStreamResponse, sse, until_disconnect
 from ember.outputs import RequestOutput
 from ember.sampling_params import StructuredOutputsParams
 

@@ -28,21 +28,23 @@ from ember.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from ember.entrypoints.openai.serving_common import (
-    SSE_DONE,
-    EventStreamResponse,
-    ServingContext,
+from ember.entrypoints.openai.serving_common import ServingContext
+from ember.entrypoints.openai.serving_params import (
     beam_search_params,
     check_priority,
     check_stream_options,
     continuous_usage,
     engine_prompt,
-    merge_generators,
     sampling_params,
-    sse,
     truncate_prompt,
-    until_disconnect,
     validate_structured_outputs,
+)
+from ember.entrypoints.openai.serving_streams import (
+    SSE_DONE,
+    EventStreamResponse,
+    merge_generators,
+    sse,
+    until_disconnect,
 )
 from ember.outputs import CompletionOutput, RequestOutput
 

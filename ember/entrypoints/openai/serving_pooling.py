@@ -35,12 +35,9 @@ from ember.entrypoints.openai.protocol_pooling import (
     PoolingResponseData,
     PromptInput,
 )
-from ember.entrypoints.openai.serving_common import (
-    ServingContext,
-    check_priority,
-    check_text,
-    until_disconnect,
-)
+from ember.entrypoints.openai.serving_common import ServingContext, check_text
+from ember.entrypoints.openai.serving_params import check_priority
+from ember.entrypoints.openai.serving_streams import until_disconnect
 from ember.pooling.inputs import model_kind, tokenize_prompts, verify_params
 from ember.pooling.outputs import PoolingRequestOutput
 from ember.pooling.params import PoolingParams
