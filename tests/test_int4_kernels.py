@@ -24,8 +24,10 @@ from ember.kernels.int4_gemm import int4_gemm  # noqa: E402
 from ember.kernels.int4_gemv import int4_gemv, int4_gemv_config  # noqa: E402
 from ember.quantization.int4_common import (  # noqa: E402
     AWQ_ORDER,
+    awq_to_int4,
     dequantize_awq,
-    gptq_to_awq,
+    dequantize_int4,
+    gptq_to_int4,
     pack_int4,
     quantize_int4,
     unpack_int4,
@@ -92,27 +94,47 @@ def _gptq_checkpoint(k: int, n: int, group: int, desc_act: bool, seed: int = 0):
 @pytest.mark.parametrize("desc_act", [False, True])
 def test_gptq_repacks_to_the_same_weight(desc_act):
     qweight, qzeros, scales, g_idx, want = _gptq_checkpoint(64, 24, 16, desc_act)
-    weight = gptq_to_awq(qweight, qzeros, scales, g_idx, 16, 1, "layer")
+    weight = gptq_to_int4(qweight, qzeros, scales, g_idx, 16, 1, "layer")
     assert (weight.perm is not None) == desc_act
-    got = dequantize_awq(weight.qweight, weight.qzeros, weight.scales, 16, weight.perm)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if not desc_act:  # GPTQ's qweight layout is ember's form: kept as it is
+        assert torch.equal(weight.qweight, qweight)
+    torch.testing.assert_close(dequantize_int4(weight), want, rtol=0, atol=0)
 
 
 def test_gptq_groups_that_cannot_be_sorted_are_refused():
     qweight, qzeros, scales, g_idx, _ = _gptq_checkpoint(64, 8, 16, False)
     g_idx[0] = 1  # group 1 now has 17 rows
     with pytest.raises(ValueError, match="layer.*g_idx"):
-        gptq_to_awq(qweight, qzeros, scales, g_idx, 16, 1, "layer")
+        gptq_to_int4(qweight, qzeros, scales, g_idx, 16, 1, "layer")
+
+
+def test_awq_repacks_to_the_k_packed_form():
+    """AWQ's column-packed tensors repacked: each pack holds eight consecutive rows of one
+    column (GPTQ's documented order) and the weight dequantizes to the same values."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (64, 24), generator=gen, dtype=torch.int32)
+    z = torch.randint(0, 16, (4, 24), generator=gen, dtype=torch.int32)
+    s = torch.rand(4, 24, generator=gen) + 0.1
+    qw, qz = pack_int4(q, 1, AWQ_ORDER), pack_int4(z, 1, AWQ_ORDER)
+    weight = awq_to_int4(qw, qz, s, 16)
+    assert weight.qweight.shape == (8, 24) and weight.qzeros.shape == (4, 3)
+    np.testing.assert_array_equal(_np_unpack_gptq_rows(weight.qweight), q.numpy())
+    np.testing.assert_array_equal(_np_unpack_gptq_cols(weight.qzeros), z.numpy())
+    torch.testing.assert_close(dequantize_int4(weight), dequantize_awq(qw, qz, s, 16),
+                               rtol=0, atol=0)
 
 
 def _awq_case(k: int, n: int, group: int, dtype: torch.dtype, seed: int = 0):
+    """An AWQ checkpoint weight in ember's form (qweight, qzeros, scales) and its float32
+    dequantization computed from the AWQ tensors."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(k, n, generator=gen) / k**0.5
     q, z, s = quantize_int4(w, group)
     qw, qz = pack_int4(q, 1, AWQ_ORDER), pack_int4(z, 1, AWQ_ORDER)
     s = s.to(dtype)
     ref = dequantize_awq(qw, qz, s, group)  # from the scales as stored
-    return qw.to(DEV), qz.to(DEV), s.to(DEV), ref.to(DEV)
+    weight = awq_to_int4(qw, qz, s, group)
+    return weight.qweight.to(DEV), weight.qzeros.to(DEV), weight.scales.to(DEV), ref.to(DEV)
 
 
 def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -135,6 +157,8 @@ def _x(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
     (3, 64, 256, 64, (32, 32, 3, 4, 2)),  # K split in 3 (the last split is short)
     (16, 24, 96, 96, (64, 32, 2, 4, 2)),  # one group over all of K (group_size -1)
     (1, 64, 256, 64, (32, 64, 2, 4, 2, True)),  # one row by float32 multiply-adds, split K
+    (1, 48, 96, 96, (32, 32, 2, 4, 2, True)),  # one row, one group, the last tile short
+    (2, 64, 256, 64, (32, 64, 2, 4, 2, True)),  # fma applies to one row only: tl.dot here
 ])
 def test_int4_gemv(dtype, m, n, k, group, config):
     qw, qz, s, w = _awq_case(k, n, group, dtype)
@@ -160,12 +184,9 @@ def test_int4_gemm(dtype, m, n, k, group, config):
 
 def test_gemv_config_splits_small_grids():
     for rows in (1, 4):
-        block_n, block_k, split_k, _, _, _ = int4_gemv_config(4096, 4096, 128, 132, rows)
-        assert block_k == 128 and 4096 // block_n * split_k >= 132
+        block_n, block_k, split_k, _, _, fma = int4_gemv_config(4096, 4096, 128, 132, rows)
+        assert block_k == 128 and 4096 // block_n * split_k >= 132 and fma == (rows == 1)
         assert int4_gemv_config(4096, 4096, 32, 132, rows)[1] == 32  # a tile stays in a group
-    # The H200 sweep's fastest one-row tiles for Llama-3.1-8B's qkv and gate_up projections.
-    assert int4_gemv_config(6144, 4096, 128, 132) == (128, 128, 6, 8, 4, False)
-    assert int4_gemv_config(28672, 4096, 128, 132) == (128, 128, 2, 4, 4, False)
     assert int4_gemv_config(28672, 4096, 128, 132, 4)[2] == 1
 
 

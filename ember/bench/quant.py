@@ -35,11 +35,12 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}  # Llama-3.1-8B (out, in)
 L2_FLUSH_BYTES = 200 * 2**20
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a dry run of the code on the CPU sets cpu / float16
-# (block_n, block_k, -, warps, stages, fma), timed at one row: K splits chosen as the default
-# rule chooses them; fma = float32 multiply-adds instead of tensor cores.
-GEMV_CONFIGS = [(64, 128, 0, 4, 4, False), (32, 128, 0, 4, 4, False), (128, 128, 0, 4, 4, False),
-                (64, 128, 0, 4, 6, False), (128, 128, 0, 8, 4, False), (64, 64, 0, 4, 6, False),
-                (64, 128, 0, 4, 4, True), (128, 64, 0, 4, 4, True), (32, 128, 0, 2, 4, True)]
+# (block_n, block_k, programs per SM, warps, stages, fma), timed at one row: K splits until the
+# grid holds that many programs per SM; fma = float32 multiply-adds instead of tensor cores.
+GEMV_CONFIGS = [(128, 128, 4, 4, 4, True), (128, 128, 2, 4, 4, True), (128, 128, 8, 4, 4, True),
+                (256, 128, 4, 8, 4, True), (256, 128, 8, 8, 4, True), (64, 128, 4, 2, 4, True),
+                (64, 128, 8, 2, 4, True), (128, 64, 8, 4, 4, True), (128, 128, 4, 8, 4, True),
+                (128, 128, 2, 4, 4, False)]
 
 
 def _copies(nbytes: int) -> int:
@@ -47,12 +48,13 @@ def _copies(nbytes: int) -> int:
 
 
 def _gemv_config(cfg: tuple, n: int, k: int) -> tuple:
-    """A sweep entry with its K splits chosen as int4_gemv_config chooses them."""
+    """A sweep entry with its K splits: until the grid holds the entry's programs per SM, with
+    at least two K tiles per split."""
     from ember.kernels.launch import cdiv, num_sms
 
-    block_n, block_k = cfg[:2]
+    block_n, block_k, per_sm = cfg[:3]
     sms = num_sms(torch.device(DEVICE))
-    split = max(1, min(cdiv(2 * sms, cdiv(n, block_n)), cdiv(k, block_k) // 4 or 1))
+    split = max(1, min(cdiv(per_sm * sms, cdiv(n, block_n)), cdiv(k, block_k) // 2 or 1))
     return (block_n, block_k, split, *cfg[3:])
 
 
@@ -75,7 +77,7 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
     from ember.kernels.int4_gemv import int4_gemv
     from ember.kernels.small_batch_linear import small_batch_linear
     from ember.quantization.fp8 import fp8_linear, quantize_weight_per_channel
-    from ember.quantization.int4_common import dequantize_awq
+    from ember.quantization.int4_common import awq_to_int4, dequantize_awq
     from ember.testing.quantized_checkpoints import awq_tensors
 
     copy_bw = copy_bandwidth() * 1e12
@@ -85,11 +87,13 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device=DEVICE) / k**0.5
         tensors, _ = awq_tensors(w.cpu(), 128)
-        qw, qz = tensors["qweight"].to(DEVICE), tensors["qzeros"].to(DEVICE)
-        s = tensors["scales"].to(DEVICE).half()
+        awq = [tensors[name].to(DEVICE) for name in ("qweight", "qzeros", "scales")]
+        awq[2] = awq[2].half()
+        deq = dequantize_awq(*awq, 128).t()
+        packed = awq_to_int4(*awq, 128)  # ember's in-memory form
+        qw, qz, s = packed.qweight, packed.qzeros, packed.scales
         wq8, s8 = quantize_weight_per_channel(w)
         w_bf16 = w.to(DTYPE)
-        deq = dequantize_awq(qw, qz, s, 128).t()
         del w
         int4_bytes = qw.numel() * 4 + qz.numel() * 4 + s.numel() * 2
         # Weight copies that together exceed L2, so every timed call reads HBM.

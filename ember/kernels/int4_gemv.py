@@ -2,13 +2,14 @@
 
 At decode batch sizes the layer is a read of its weight: 4-bit storage moves a quarter of a
 bf16 weight's bytes, so the kernel's job is to keep HBM busy. One program per BLOCK_N output
-columns (times K splits) walks its K range in BLOCK_K-row tiles of packed int32, expands them to
-4-bit values in registers (ember.kernels.int4_tile) and multiplies with the rows of x padded to
-one tl.dot tile (or, for one row with FMA set, multiplies and adds in float32 without tensor
-cores: no layout change of the weight tile); the group's zero and scale are applied once per
-tile. With SPLIT_K > 1 each
-program stores an fp32 partial and the last split of a tile to finish adds them in split order
-(deterministic; no second kernel), as ember.kernels.small_batch_linear does.
+columns (times K splits) walks its K range in BLOCK_K-row tiles of the K-packed int32 weight
+(ember.kernels.int4_tile). One row (FMA) multiplies and adds in float32 on the CUDA cores: each
+thread expands the packs it loaded, one mask and one subtract per weight, and keeps a partial
+per pack row, summed once at the end; the weight tile never changes layout. More rows expand
+the tile to 4-bit values and multiply with the rows of x padded to one tl.dot tile. The
+group's zero and scale are applied once per tile. With SPLIT_K > 1 each program stores an fp32
+partial and the last split of a tile to finish adds them in split order (deterministic; no
+second kernel), as ember.kernels.small_batch_linear does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.int4_tile import group_correction, load_q_tile, q_offset, q_operand
+from ember.kernels.int4_tile import (
+    group_correction,
+    group_zero_scale,
+    load_packs,
+    load_q_tile,
+    pack_row_products,
+    q_offset,
+    q_operand,
+)
 from ember.kernels.launch import cdiv, dot_precision, merge_counters, num_sms, pdl_options
 
 MAX_ROWS = 16
@@ -34,7 +43,6 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * BLOCK_N
-    NP = N // 8
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -44,22 +52,25 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
     if PDL:  # see ember.kernels.launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        q = load_q_tile(qw_ptr, k0, k_hi, n0, NP, BLOCK_K, BLOCK_N)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & (offs_k < k_hi)[None, :], other=0.0)
-        if FMA:  # BLOCK_M == 1: x [1, BLOCK_K]
-            qf = q_operand(q, tl.float32)
-            part = tl.sum(tl.trans(x.to(tl.float32)) * qf, 0)[None, :]
-            offset = 0.0
-        else:
+    if FMA:  # one row: [pack rows, BLOCK_N] partial sums, added up once at the end
+        acc_rows = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            packs = load_packs(qw_ptr, k0, k_hi, n0, N, BLOCK_K, BLOCK_N)
+            t, xs = pack_row_products(packs, x_ptr, k0, k_hi, BLOCK_K, BLOCK_N)
+            z, s = group_zero_scale(qz_ptr, s_ptr, k0 // group_size, n0, N, BLOCK_N)
+            acc_rows += (t - xs[:, None] * z[None, :]) * s[None, :]
+        acc = tl.sum(acc_rows, 0)[None, :]
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            q = load_q_tile(qw_ptr, k0, k_hi, n0, N, BLOCK_K, BLOCK_N)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & (offs_k < k_hi)[None, :], other=0.0)
             part = tl.dot(x, q_operand(q, x.dtype), input_precision=DOT_PREC)
-            offset = q_offset(x.dtype)
-        xsum = tl.sum(x.to(tl.float32), 1)
-        acc += group_correction(part, xsum, qz_ptr, s_ptr, k0 // group_size, n0, N, NP, offset,
-                                BLOCK_N)
+            xsum = tl.sum(x.to(tl.float32), 1)
+            acc += group_correction(part, xsum, qz_ptr, s_ptr, k0 // group_size, n0, N,
+                                    q_offset(x.dtype), BLOCK_N)
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -92,30 +103,31 @@ def block_k_for(group_size: int, block_k: int) -> int:
 def int4_gemv_config(n: int, k: int, group_size: int, sms: int,
                      rows: int = 1) -> tuple[int, int, int, int, int, bool]:
     """(block_n, block_k, split_k, num_warps, num_stages, fma) for an [k, n] weight: tiles of
-    128 rows on the tensor cores, and K splits until the grid holds about two programs per SM
-    (a decode projection of 4096 outputs has few tiles). One row: 128-wide tiles, with 8 warps
-    for weights up to 32M elements, as ``ember.bench.quant kernels --sweep`` found fastest on
-    an H200 for Llama-3.1-8B's projections (23-35% faster than 64-wide tiles with 4 warps,
-    `benchmarks/results/h200-quant-kernels.json`); more rows keep 64-wide tiles (not swept)."""
-    block_n = 128 if rows == 1 else 64
-    num_warps = 8 if rows == 1 and n * k <= 32 * 2**20 else 4
+    128 rows, and K splits until the grid holds about ``programs_per_sm`` programs per SM (a
+    decode projection of 4096 outputs has few tiles). One row: float32 multiply-adds over
+    128-wide tiles with 4 warps and four programs per SM (each keeps only one tile of loads in
+    flight, so more of them hide HBM's latency); more rows: 64-wide tensor-core tiles and two
+    programs per SM (not swept)."""
+    fma = rows == 1
+    block_n = 128 if fma else 64
     block_k = block_k_for(group_size, 128)
     tiles = cdiv(n, block_n)
     steps = cdiv(k, block_k)
-    split_k = max(1, min(cdiv(2 * sms, tiles), steps // 4 or 1))
-    return block_n, block_k, split_k, num_warps, 4, False
+    split_k = max(1, min(cdiv((4 if fma else 2) * sms, tiles), steps // 2 or 1))
+    return block_n, block_k, split_k, 4, 4, fma
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
               group_size: int, bias: torch.Tensor | None = None,
               config: tuple | None = None) -> torch.Tensor:
-    """x [M <= 16, K] times the 4-bit weight (qweight [K, N/8], qzeros [G, N/8] in AWQ's
-    order, scales [G, N]); ``group_size`` rows per group (K for one group). Output in x's dtype.
+    """x [M <= 16, K] times the 4-bit weight in ember's form (qweight [K/8, N] K-packed, qzeros
+    [G, N/8], scales [G, N]); ``group_size`` rows per group (K for one group). Output in x's
+    dtype.
     ``config`` = (block_n, block_k, split_k, num_warps, num_stages[, fma]) overrides the rule;
     fma (float32 multiply-adds instead of tl.dot) applies to one row only."""
     m, k = x.shape
-    n = qweight.shape[1] * 8
-    assert m <= MAX_ROWS and qweight.shape[0] == k and scales.shape[1] == n
+    n = qweight.shape[1]
+    assert m <= MAX_ROWS and qweight.shape[0] * 8 == k and scales.shape[1] == n
     assert qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()

@@ -1,18 +1,21 @@
-"""Pieces shared by the 4-bit kernels (int4_gemv, int4_gemm): reading a tile of a 4-bit weight
-in ember's in-memory form (AWQ's layout, ember.quantization.int4_common) and the group
-correction that turns a dot over raw 4-bit values into the dequantized product.
+"""Pieces shared by the 4-bit kernels (int4_gemv, int4_gemm): reading a tile of a 4-bit weight in
+ember's in-memory form (K-packed: int32 [K/8, N], row 8r + i of a column in bits 4i..4i+3 of
+pack r; ember.quantization.int4_common), the one-row multiply-add over packs, and the group
+correction that turns a product over raw 4-bit values into the dequantized one.
 
 The kernels never dequantize a weight element. For a tile of K rows inside one group g,
 sum_k x[k] * (q[k, n] - z[g, n]) * s[g, n] = s[g, n] * (sum_k x[k] q[k, n] - z[g, n] sum_k x[k]):
-the dot runs on q (0..15, exact in any float type) and each (row, column) of the output pays
+the product runs on q (0..15, exact in any float type) and each (row, column) of the output pays
 one multiply-add per tile instead of each weight element paying a subtract and a multiply.
 A tile therefore never straddles two groups: BLOCK_K divides the group size.
 
 Nor does it convert integers to floats (a quarter-rate instruction on NVIDIA GPUs, which would
-bound a 4-bit GEMV below the memory bandwidth): a 16-bit operand is built from its bit pattern,
-q | 0x4300 being the bfloat16 128 + q (0x6400: the float16 1024 + q), and the correction
-subtracts that offset with the zero point (float32, where products of such values would round,
-subtracts 2^23 exactly instead: ``q_operand``).
+bound a 4-bit GEMV below the memory bandwidth): a float is built from its bit pattern. For the
+tensor cores, q | 0x4300 is the bfloat16 128 + q (0x6400: the float16 1024 + q) and the
+correction subtracts that offset with the zero point. For the one-row multiply-adds, nibble j
+of a pack masked in place and or-ed into 0x4B000000 is the float32 2^23 + q * 16^j, exact
+while q * 16^j < 2^23 (j <= 4; the top three nibbles are shifted down by 20 first): one mask and
+one subtract per weight, with x pre-scaled by 16^-j (exact: a power of two).
 """
 
 from __future__ import annotations
@@ -22,33 +25,51 @@ import triton.language as tl
 
 
 @triton.jit
-def awq_shifts(BLOCK_N: tl.constexpr):
-    """Bit offset of each of BLOCK_N columns in its int32 pack: AWQ stores column 8c + j at
-    4 * i where AWQ_ORDER[i] = j, i.e. i = j // 2 + 4 * (j % 2)."""
-    j = tl.arange(0, BLOCK_N) % 8
-    return ((j // 2) + (j % 2) * 4) * 4
+def load_packs(qw_ptr, k0, K, n0, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The int32 packs [BLOCK_K // 8, BLOCK_N] holding rows k0..k0 + BLOCK_K and columns n0.. of
+    a weight stored K-packed ([K / 8, N]); 0 outside the weight or past row K."""
+    offs_r = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask = (offs_r < K // 8)[:, None] & (offs_n < N)[None, :]
+    return tl.load(qw_ptr + offs_r.to(tl.int64)[:, None] * N + offs_n[None, :], mask=mask,
+                   other=0)
 
 
 @triton.jit
-def expand_packs(packed, BLOCK_N: tl.constexpr):
-    """[R, BLOCK_N // 8] (or [BLOCK_N // 8]) int32 packs -> the 4-bit values [R, BLOCK_N]: each
-    pack repeated 8 times along the last dim (three interleaves), then shifted per column."""
-    packed = tl.interleave(packed, packed)
-    packed = tl.interleave(packed, packed)
-    packed = tl.interleave(packed, packed)
-    return (packed >> awq_shifts(BLOCK_N)) & 0xF
+def load_q_tile(qw_ptr, k0, K, n0, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The 4-bit values [BLOCK_K, BLOCK_N] (int32) of rows k0.. and columns n0..; 0 outside."""
+    packs = load_packs(qw_ptr, k0, K, n0, N, BLOCK_K, BLOCK_N)
+    shifts = tl.arange(0, 8) * 4
+    q = (packs[:, None, :] >> shifts[None, :, None]) & 0xF
+    return tl.reshape(q, (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
-def load_q_tile(qw_ptr, k0, K, n0, NP, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The 4-bit values [BLOCK_K, BLOCK_N] (int32) of rows k0.. and columns n0.. of a weight
-    stored as [K, NP = N / 8] int32 packs; 0 outside the weight."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    offs_p = n0 // 8 + tl.arange(0, BLOCK_N // 8)
-    mask = (offs_k < K)[:, None] & (offs_p < NP)[None, :]
-    packed = tl.load(qw_ptr + offs_k.to(tl.int64)[:, None] * NP + offs_p[None, :], mask=mask,
-                     other=0)
-    return expand_packs(packed, BLOCK_N)
+def _nibble_times(packs, MASK: tl.constexpr):
+    """float32 q * 16^j of the nibble ``MASK`` selects (0xF << 4j, j <= 4), from bits."""
+    return ((packs & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def pack_row_products(packs, x_ptr, k0, k_hi, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For one row of x: (t [BLOCK_K // 8, BLOCK_N], xs [BLOCK_K // 8]) with t[r, n] =
+    sum_i x[8r + i] q[8r + i, n] over the eight rows of pack r and xs[r] their x sum (float32;
+    rows from k0, none past k_hi). Multiply-adds on the CUDA cores: the pack never leaves the
+    thread that loaded it."""
+    offs = k0 + 8 * tl.arange(0, BLOCK_K // 8)
+    mask = offs < k_hi
+    high = packs >> 20  # nibbles 5..7 at bits 0..11
+    xs = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
+    t = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+    for i in tl.static_range(8):
+        x = tl.load(x_ptr + offs + i, mask=mask, other=0.0).to(tl.float32)
+        xs += x
+        if i < 5:
+            t += (x * (1.0 / (1 << (4 * i))))[:, None] * _nibble_times(packs, 0xF << (4 * i))
+        else:
+            t += (x * (1.0 / (1 << (4 * (i - 5)))))[:, None] * _nibble_times(
+                high, 0xF << (4 * (i - 5)))
+    return t, xs
 
 
 @triton.jit
@@ -74,13 +95,21 @@ def q_offset(DTYPE: tl.constexpr):
 
 
 @triton.jit
-def group_correction(part, xsum, qz_ptr, s_ptr, g, n0, N, NP, offset, BLOCK_N: tl.constexpr):
+def group_zero_scale(qz_ptr, s_ptr, g, n0, N, BLOCK_N: tl.constexpr):
+    """Group ``g``'s zero points and scales [BLOCK_N] (float32) of columns n0.. (zeros packed
+    eight columns to an int32, column 8c + i in bits 4i..4i+3)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    z = tl.load(qz_ptr + g * (N // 8) + offs_n // 8, mask=mask, other=0)
+    z = ((z >> ((offs_n % 8) * 4)) & 0xF).to(tl.float32)
+    s = tl.load(s_ptr + g.to(tl.int64) * N + offs_n, mask=mask, other=0.0).to(tl.float32)
+    return z, s
+
+
+@triton.jit
+def group_correction(part, xsum, qz_ptr, s_ptr, g, n0, N, offset, BLOCK_N: tl.constexpr):
     """(part - xsum * (z + offset)) * s for group ``g``: ``part`` [M, BLOCK_N] = x . q over the
     tile's rows with q carrying ``offset`` (q_operand), ``xsum`` [M] = the sum of x over the
     same rows (both fp32)."""
-    offs_p = n0 // 8 + tl.arange(0, BLOCK_N // 8)
-    z = tl.load(qz_ptr + g * NP + offs_p, mask=offs_p < NP, other=0)
-    z = expand_packs(z, BLOCK_N).to(tl.float32) + offset
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    s = tl.load(s_ptr + g.to(tl.int64) * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    return (part - xsum[:, None] * z[None, :]) * s[None, :]
+    z, s = group_zero_scale(qz_ptr, s_ptr, g, n0, N, BLOCK_N)
+    return (part - xsum[:, None] * (z + offset)[None, :]) * s[None, :]

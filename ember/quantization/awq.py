@@ -2,9 +2,10 @@
 and a scale per group of input features, computed without dequantizing them to memory.
 
 The checkpoint's ``qweight`` [in, out/8], ``qzeros`` [in/g, out/8] (int32, AutoAWQ's
-interleaved packing) and ``scales`` [in/g, out] are ember's in-memory form as they are
-(ember.quantization.int4_common), so they load straight into the layer, fused q/k/v and
-gate/up shards included (packed along the output dim, the loader narrows by 8).
+interleaved packing) and ``scales`` [in/g, out] load into the layer as they are, fused q/k/v and
+gate/up shards included (packed along the output dim, the loader narrows by 8); once loaded,
+each layer is repacked into ember's K-packed form (ember.quantization.int4_common), which the
+one-row GEMV streams without moving data between columns.
 
 Read from quantization_config: ``bits`` / ``w_bit`` (4), ``group_size`` / ``q_group_size``,
 ``zero_point`` (true), ``version`` ("gemm"), ``modules_to_not_convert`` (those layers stay in
@@ -19,13 +20,26 @@ from typing import Any, ClassVar
 from ember.layers.linear import Linear, LinearMethod
 from ember.quantization.base import QuantizationMethod
 from ember.quantization.checkpoint_config import first_of, module_skipped, quantization_config_dict
+from ember.quantization.int4_common import PACK, Int4Weight, awq_to_int4
 from ember.quantization.int4_linear import Int4LinearMethod
 
 
 class AWQLinearMethod(Int4LinearMethod):
-    """AWQ's tensors already are ember's in-memory form: they load as they are."""
+    """Loads AWQ's tensors, then repacks them into ember's form."""
 
     format_name = "AWQ"
+
+    def qweight_shape(self, input_size: int, output_size: int) -> tuple[int, int]:
+        return input_size, output_size // PACK  # 8 output columns per int32
+
+    def checkpoint_attrs(self) -> dict[str, dict[str, Any]]:
+        column_packed = {"output_dim": 1, "input_dim": 0, "packed_dim": 1, "packed_factor": PACK}
+        return {"qweight": column_packed, "qzeros": column_packed,
+                "scales": {"output_dim": 1, "input_dim": 0}}
+
+    def to_int4(self, layer: Linear) -> Int4Weight:
+        return awq_to_int4(layer.qweight.data, layer.qzeros.data, layer.scales.data,
+                           self._group(layer))
 
 
 class AWQQuantization(QuantizationMethod):

@@ -2,10 +2,11 @@
 and a scale per group of input features.
 
 The checkpoint's ``qweight`` [in/8, out] (8 input rows per int32), ``qzeros`` [groups, out/8],
-``scales`` [groups, out] and ``g_idx`` [in] load as they are, then each layer is repacked once
-into ember's in-memory form (AWQ's layout, ember.quantization.int4_common) so AWQ and GPTQ share
-one pair of kernels. With desc_act (act-order) each input row's group comes from g_idx; the rows
-are sorted by group at load and the layer permutes its input to match. The q/k/v (and gate/up)
+``scales`` [groups, out] and ``g_idx`` [in] load as they are. GPTQ's qweight layout is ember's
+in-memory form (ember.quantization.int4_common), so AWQ and GPTQ share one pair of kernels; at
+load only the zeros are repacked (v1 stores z - 1). With desc_act (act-order) each input row's
+group comes from g_idx; the rows are sorted by group at load (qweight repacked) and the layer
+permutes its input to match. The q/k/v (and gate/up)
 shards of a fused projection quantize the same input and so carry the same g_idx; a checkpoint
 where they differ is refused.
 
@@ -24,8 +25,8 @@ import torch
 from ember.layers.linear import Linear, LinearMethod, param_owner
 from ember.quantization.base import QuantizationMethod
 from ember.quantization.checkpoint_config import first_of, module_skipped, quantization_config_dict
-from ember.quantization.int4_common import PACK, gptq_to_awq
-from ember.quantization.int4_linear import Int4LinearMethod, int_param, replace_weight
+from ember.quantization.int4_common import PACK, Int4Weight, gptq_to_int4
+from ember.quantization.int4_linear import Int4LinearMethod, int_param
 
 
 def _load_g_idx(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
@@ -52,15 +53,13 @@ class GPTQLinearMethod(Int4LinearMethod):
         self.desc_act = desc_act
 
     format_name = "GPTQ"
+    extra_weight_names = ("g_idx",)
 
     def qweight_shape(self, input_size: int, output_size: int) -> tuple[int, int]:
         return input_size // PACK, output_size  # 8 input rows per int32
 
     def checkpoint_attrs(self) -> dict[str, dict[str, Any]]:
-        attrs = self.awq_attrs()
-        attrs["qweight"] = {"output_dim": 1, "input_dim": 0, "packed_dim": 0,
-                            "packed_factor": PACK}
-        return attrs
+        return self.packed_attrs()  # ember's form is GPTQ's layout
 
     def create_extra_weights(self, layer: Linear, input_size: int,
                              output_sizes: list[int]) -> None:  # fmt: skip
@@ -70,20 +69,13 @@ class GPTQLinearMethod(Int4LinearMethod):
         layer.register_weight("g_idx", int_param(len(output_sizes), input_size),
                               {"input_dim": 1, "weight_loader": _load_g_idx})
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
+    def to_int4(self, layer: Linear) -> Int4Weight:
         g_idx = layer.g_idx.data
         if not (g_idx == g_idx[:1]).all():
             raise ValueError(f"{layer.prefix}: the shards of this fused projection have "
                              "different g_idx; ember cannot compute them as one layer")
-        weight = gptq_to_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data, g_idx[0],
-                             self._group(layer), self.zero_offset, layer.prefix or "layer")
-        attrs = self.awq_attrs()
-        replace_weight(layer, "qweight", weight.qweight, attrs["qweight"])
-        replace_weight(layer, "qzeros", weight.qzeros, attrs["qzeros"])
-        replace_weight(layer, "scales", weight.scales.contiguous(), attrs["scales"])
-        replace_weight(layer, "g_idx", None)
-        if weight.perm is not None:
-            layer.register_buffer("perm", weight.perm)
+        return gptq_to_int4(layer.qweight.data, layer.qzeros.data, layer.scales.data, g_idx[0],
+                            self._group(layer), self.zero_offset, layer.prefix or "layer")
 
 
 class GPTQQuantization(QuantizationMethod):

@@ -14,9 +14,14 @@ Checkpoint layouts (what the published formats put in safetensors):
   checkpoint format stores z - 1 (the "gptq_v2" format stores z); ``scales`` [G, N];
   ``g_idx`` int32 [K] gives each row's group (rows of one group are scattered with desc_act).
 
-In memory ember keeps the AWQ layout for both (``Int4Weight``): AWQ checkpoints load as they
-are, GPTQ ones are repacked once at load, and desc_act's scattered groups become contiguous by
-permuting the input rows (``perm``: the kernels then read x[:, perm]).
+In memory ember keeps one form for both (``Int4Weight``): GPTQ's K-packed ``qweight`` [K/8, N]
+(8 consecutive input rows per int32, row 8r + i in bits 4i..4i+3), ``qzeros`` [G, N/8] with 8
+consecutive columns per int32 in the same sequential order and the zero itself (not z - 1),
+``scales`` [G, N]. GPTQ checkpoints keep their qweight (their v1 zeros are repacked), AWQ ones
+are repacked once at load, and desc_act's scattered groups become contiguous by permuting the
+input rows (``perm``: the kernels then read x[:, perm]). The K-packed form is the one a
+one-row GEMV streams best: a thread's int32 holds eight weights of one output column, so
+unpacking is a mask per weight with no data movement between columns (ember.kernels.int4_tile).
 """
 
 from __future__ import annotations
@@ -66,10 +71,10 @@ def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] = SEQUENT
 
 @dataclass
 class Int4Weight:
-    """A 4-bit weight in ember's in-memory form (the AWQ layout) and what it needs besides.
+    """A 4-bit weight in ember's in-memory form and what it needs besides.
 
-    qweight int32 [K, N/8] and qzeros int32 [G, N/8] in AWQ's interleaved order; scales [G, N]
-    in the activation dtype; perm int64 [K] or None (x[:, perm] feeds rows in group order)."""
+    qweight int32 [K/8, N] (K-packed), qzeros int32 [G, N/8] (sequential); scales [G, N] in the
+    activation dtype; perm int64 [K] or None (x[:, perm] feeds rows in group order)."""
 
     qweight: torch.Tensor
     qzeros: torch.Tensor
@@ -79,11 +84,11 @@ class Int4Weight:
 
     @property
     def in_features(self) -> int:
-        return self.qweight.shape[0]
+        return self.qweight.shape[0] * PACK
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[1] * PACK
+        return self.qweight.shape[1]
 
 
 def check_int4_shapes(in_features: int, out_features: int, group_size: int, what: str) -> int:
@@ -101,14 +106,11 @@ def check_int4_shapes(in_features: int, out_features: int, group_size: int, what
     return group
 
 
-def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                   group_size: int, perm: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 W [K, N] of an AWQ-layout weight (rows in checkpoint order when ``perm`` is set).
-    One broadcast shift per element (the CPU path runs this on every call)."""
-    shifts = torch.tensor(AWQ_SHIFTS, dtype=torch.int32, device=qweight.device)
-    k, n = qweight.shape[0], qweight.shape[1] * PACK
-    q = ((qweight.unsqueeze(-1) >> shifts) & 0xF).view(k, n)
-    z = ((qzeros.unsqueeze(-1) >> shifts) & 0xF).view(-1, n)
+def _dequantize(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, group_size: int,
+                perm: torch.Tensor | None) -> torch.Tensor:
+    """float32 W [K, N] from unpacked q [K, N] and zeros [G, N] (rows in checkpoint order when
+    ``perm`` is set)."""
+    k, n = q.shape
     group = k if group_size == -1 else group_size
     groups = k // group
     w = (q.view(groups, group, n) - z.view(groups, 1, n)).float()
@@ -120,10 +122,44 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     return w
 
 
+def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   group_size: int, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 W [K, N] of a weight in AWQ's checkpoint layout."""
+    shifts = torch.tensor(AWQ_SHIFTS, dtype=torch.int32, device=qweight.device)
+    k, n = qweight.shape[0], qweight.shape[1] * PACK
+    q = ((qweight.unsqueeze(-1) >> shifts) & 0xF).view(k, n)
+    z = ((qzeros.unsqueeze(-1) >> shifts) & 0xF).view(-1, n)
+    return _dequantize(q, z, scales, group_size, perm)
+
+
+def dequantize_packed(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                      group_size: int, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 W [K, N] of a weight in ember's in-memory form. One broadcast shift per element
+    (the CPU path runs this on every call)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    k, n = qweight.shape[0] * PACK, qweight.shape[1]
+    q = ((qweight.unsqueeze(1) >> shifts.view(1, PACK, 1)) & 0xF).view(k, n)
+    z = ((qzeros.unsqueeze(-1) >> shifts) & 0xF).view(-1, n)
+    return _dequantize(q, z, scales, group_size, perm)
+
+
 def dequantize_int4(weight: Int4Weight) -> torch.Tensor:
     """float32 W [K, N] of an ``Int4Weight``, rows in checkpoint order."""
-    return dequantize_awq(weight.qweight, weight.qzeros, weight.scales, weight.group_size,
-                          weight.perm)
+    return dequantize_packed(weight.qweight, weight.qzeros, weight.scales, weight.group_size,
+                             weight.perm)
+
+
+def pack_weight(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, group_size: int,
+                perm: torch.Tensor | None = None) -> Int4Weight:
+    """ember's form of unpacked q [K, N] (rows in group order) and zeros [G, N], both 0..15."""
+    return Int4Weight(pack_int4(q, 0), pack_int4(z, 1), scales, group_size, perm)
+
+
+def awq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                group_size: int) -> Int4Weight:
+    """Repack an AWQ checkpoint weight into ember's form."""
+    return pack_weight(unpack_int4(qweight, 1, AWQ_ORDER), unpack_int4(qzeros, 1, AWQ_ORDER),
+                       scales, group_size)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int, sym: bool = False,
@@ -147,15 +183,14 @@ def quantize_int4(w: torch.Tensor, group_size: int, sym: bool = False,
     return (q.reshape(k, n).to(torch.int32), zeros.to(torch.int32), scales)
 
 
-def gptq_to_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+def gptq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor | None, group_size: int, zero_offset: int,
                 what: str) -> Int4Weight:
     """Repack a GPTQ checkpoint weight into ember's form. ``zero_offset``: 1 for the v1 "gptq"
     format (it stores z - 1), 0 for "gptq_v2". With scattered groups (desc_act) the rows are
     sorted by group and ``perm`` records the order; ValueError when the groups are not equal
     runs of ``group_size`` rows once sorted."""
-    q = unpack_int4(qweight, 0)  # [K, N]
-    k = q.shape[0]
+    k = qweight.shape[0] * PACK
     z = (unpack_int4(qzeros, 1) + zero_offset) & 0xF  # v1 stores 15 as -1 + 16: wrap like GPTQ
     group = k if group_size == -1 else group_size
     perm = None
@@ -169,6 +204,7 @@ def gptq_to_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
             if not torch.equal(g_idx[order], expected):
                 raise ValueError(f"{what}: g_idx does not hold {k // group} groups of "
                                  f"{group} rows each; ember cannot compute this GPTQ weight")
-            perm, q = order, q[order]
-    return Int4Weight(pack_int4(q, 1, AWQ_ORDER), pack_int4(z, 1, AWQ_ORDER), scales, group,
-                      perm)
+            perm = order
+            # Rows in group order: the K-packed qweight is repacked.
+            qweight = pack_int4(unpack_int4(qweight, 0)[order], 0)
+    return Int4Weight(qweight.contiguous(), pack_int4(z, 1), scales, group, perm)

@@ -1,6 +1,6 @@
 """The linear-layer side shared by AWQ and GPTQ: a LinearMethod whose layer, once loaded, holds a
-4-bit weight in ember's in-memory form (ember.quantization.int4_common: ``qweight`` [K, N/8],
-``qzeros`` [G, N/8] in AWQ's order, ``scales`` [G, N], and ``perm`` for GPTQ's desc_act), and
+4-bit weight in ember's in-memory form (ember.quantization.int4_common: K-packed ``qweight``
+[K/8, N], ``qzeros`` [G, N/8], ``scales`` [G, N], and ``perm`` for GPTQ's desc_act), and
 computes it:
 
 - on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_gemv`` for up to
@@ -10,7 +10,7 @@ computes it:
 
 Scales are kept in float16 for half-precision models (the checkpoints' own dtype: no rounding)
 and in float32 for float32 models. AWQ and GPTQ differ only in what they create and load and in
-``process_weights_after_loading`` (GPTQ repacks to the AWQ layout).
+``to_int4``, which turns the loaded checkpoint tensors into ember's form once.
 """
 
 from __future__ import annotations
@@ -22,7 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.layers.linear import Linear, LinearMethod
-from ember.quantization.int4_common import PACK, check_int4_shapes, dequantize_awq
+from ember.quantization.int4_common import (
+    PACK,
+    Int4Weight,
+    check_int4_shapes,
+    dequantize_packed,
+)
 
 GEMV_MAX_ROWS = 16
 
@@ -68,7 +73,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         else:
             y = kernels.int4_gemm.int4_gemm(x2, qweight, qzeros, scales, group_size, bias)
     else:
-        w = dequantize_awq(qweight, qzeros, scales, group_size)  # rows already in perm order
+        w = dequantize_packed(qweight, qzeros, scales, group_size)  # rows already in perm order
         y = F.linear(x2, w.t().to(x2.dtype), bias)
     return y.view(*shape[:-1], y.shape[-1])
 
@@ -80,6 +85,7 @@ class Int4LinearMethod(LinearMethod):
     tensor (``create_extra_weights``)."""
 
     format_name = "int4"
+    extra_weight_names: tuple[str, ...] = ()  # checkpoint tensors dropped once repacked
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size  # -1: one group over all input features
@@ -103,12 +109,26 @@ class Int4LinearMethod(LinearMethod):
         self.create_extra_weights(layer, input_size, output_sizes)
 
     def qweight_shape(self, input_size: int, output_size: int) -> tuple[int, int]:
-        """The checkpoint's qweight shape (ember's own form: [in, out/8])."""
-        return input_size, output_size // PACK
+        """The checkpoint's qweight shape."""
+        raise NotImplementedError
 
     def checkpoint_attrs(self) -> dict[str, dict[str, Any]]:
-        """Loading metadata of the checkpoint's tensors (ember's own form by default)."""
-        return self.awq_attrs()
+        """Loading metadata of the checkpoint's tensors."""
+        raise NotImplementedError
+
+    def to_int4(self, layer: Linear) -> Int4Weight:
+        """The loaded checkpoint tensors in ember's form."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        weight = self.to_int4(layer)
+        attrs = self.packed_attrs()
+        for name in self.extra_weight_names:
+            replace_weight(layer, name, None)
+        for name in ("qweight", "qzeros", "scales"):
+            replace_weight(layer, name, getattr(weight, name).contiguous(), attrs[name])
+        if weight.perm is not None:
+            layer.register_buffer("perm", weight.perm)
 
     def create_extra_weights(self, layer: Linear, input_size: int,
                              output_sizes: list[int]) -> None:  # fmt: skip
@@ -123,11 +143,14 @@ class Int4LinearMethod(LinearMethod):
 
     def dequantize_weight(self, layer: Linear) -> torch.Tensor:
         """float32 W [out, in] the layer computes with (the quantization check's reference)."""
-        return dequantize_awq(layer.qweight, layer.qzeros, layer.scales, self._group(layer),
-                              getattr(layer, "perm", None)).t()
+        return dequantize_packed(layer.qweight, layer.qzeros, layer.scales, self._group(layer),
+                                 getattr(layer, "perm", None)).t()
 
     @staticmethod
-    def awq_attrs() -> dict[str, dict[str, Any]]:
-        """Loading metadata of the in-memory (AWQ) tensors."""
-        packed = {"output_dim": 1, "input_dim": 0, "packed_dim": 1, "packed_factor": PACK}
-        return {"qweight": packed, "qzeros": packed, "scales": {"output_dim": 1, "input_dim": 0}}
+    def packed_attrs() -> dict[str, dict[str, Any]]:
+        """Loading metadata of the tensors in ember's form (GPTQ's qweight layout, zeros packed
+        along the outputs as both formats pack them)."""
+        column_packed = {"output_dim": 1, "input_dim": 0, "packed_dim": 1, "packed_factor": PACK}
+        return {"qweight": {"output_dim": 1, "input_dim": 0, "packed_dim": 0,
+                            "packed_factor": PACK},
+                "qzeros": column_packed, "scales": {"output_dim": 1, "input_dim": 0}}
