@@ -49,14 +49,23 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
     n_mask = offs_n < N
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if FMA:
+        # A tile's load is issued two tiles ahead of its arithmetic (registers as a triple
+        # buffer), so each thread keeps up to two tiles of HBM reads in flight. The weight
+        # depends on no earlier kernel: the first two loads go out before the PDL wait, while
+        # the kernel before (RMSNorm, attention) still runs.
+        packs = load_packs(qw_ptr, k_lo, k_hi, n0, N, BLOCK_K, BLOCK_N)
+        following = load_packs(qw_ptr, k_lo + BLOCK_K, k_hi, n0, N, BLOCK_K, BLOCK_N)
     if PDL:  # see ember.kernels.launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if FMA:  # one row: [pack rows, BLOCK_N] partial sums, added up once at the end
         acc_rows = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            packs = load_packs(qw_ptr, k0, k_hi, n0, N, BLOCK_K, BLOCK_N)
+            ahead = load_packs(qw_ptr, k0 + 2 * BLOCK_K, k_hi, n0, N, BLOCK_K, BLOCK_N)
             t, xs = pack_row_products(packs, x_ptr, k0, k_hi, BLOCK_K, BLOCK_N)
+            packs = following
+            following = ahead
             z, s = group_zero_scale(qz_ptr, s_ptr, k0 // group_size, n0, N, BLOCK_N)
             acc_rows += (t - xs[:, None] * z[None, :]) * s[None, :]
         acc = tl.sum(acc_rows, 0)[None, :]
