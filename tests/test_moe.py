@@ -326,8 +326,9 @@ def compile_ptx(kernel, sig, consts, opts):
 B, I = "*bf16", "*i32"
 route = dict(logits_ptr=B, stride_l="i32", ids_ptr=I, weights_ptr="*fp32", ranks_ptr=I,
              counts_ptr=I, E="i32")
-compile_ptx(fm._route_kernel, route, dict(K=8, BLOCK_K=8, BLOCK_E=128, RENORMALIZE=True,
-                                          PDL=True), {})
+for count in (True, False):
+    compile_ptx(fm._route_kernel, route, dict(K=8, BLOCK_K=8, BLOCK_E=128, RENORMALIZE=True,
+                                              COUNT=count, PDL=True), {})
 align = dict(ids_ptr=I, ranks_ptr=I, counts_ptr=I, starts_ptr=I, sorted_ptr=I,
              expert_ids_ptr=I, num_post_ptr=I, stats_ptr="*i64", N="i32", E="i32",
              max_padded="i32", max_blocks="i32")

@@ -9,8 +9,11 @@ dense weights (attention, dense MLPs, routers, lm_head) plus every expert hit (d
 per layer) plus the KV cache its decodes read; bytes / time / bandwidth is the fraction
 reported. Batch 1 hits exactly top_k experts per layer. ``--kernel`` then times one fused MoE
 layer alone (inside a CUDA graph, weights rotated over copies so L2 does not serve them) for a
-range of token counts and a few tile configurations, the data for the tuning table in
-ember.kernels.fused_moe. Prints one JSON line.
+range of token counts and a few tile configurations, the data for the tuning tables in
+ember.kernels.fused_moe and ember.kernels.moe_decode. At decode sizes (up to 64 pairs) it
+times both paths side by side, the sorted one and the decode one (routing in its up kernel
+or in the route kernel), whichever the dispatch picks: where the decode path should stop.
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -97,11 +100,18 @@ def run_batch1(llm, ns, shape: dict, cfg: Any, device) -> dict:
 
 
 def kernel_sweep(cfg: Any, model_cls: type, ns) -> list[dict]:
-    """One fused MoE layer alone: per-call time in a graph for several token counts and tiles."""
+    """One fused MoE layer alone: per-call time in a graph for several token counts and tiles.
+
+    Each row: the dispatched default (``path``: decode or sorted), the fastest candidate, and
+    at decode sizes each path's default tiles (``sorted_*``, ``decode_*``, and
+    ``decode_route_kernel_*`` with routing in the route kernel instead of the up kernel)."""
+    from dataclasses import replace
+
     import torch
 
     from ember.bench.timing import graph_time_us
     from ember.kernels import fused_moe as fm
+    from ember.kernels import moe_decode as md
 
     e, k, inter, renorm = model_cls.moe_shape(cfg)
     h = cfg.hidden_size
@@ -121,6 +131,15 @@ def kernel_sweep(cfg: Any, model_cls: type, ns) -> list[dict]:
                   fm.MoeConfig(64, tile(64, 64, 4, 4), tile(128, 64, 4, 4)),
                   fm.MoeConfig(128, tile(128, 64, 8, 3), tile(128, 64, 8, 3))],
     }
+    decode = md.decode_config(k, e, torch.bfloat16, True)
+    route_kernel = replace(decode, fuse_route=False)
+    # Up tiles narrower / wider, shorter steps, 8 warps; down tiles half / twice as tall.
+    decode_candidates = [route_kernel, replace(decode, block_n=8), replace(decode, block_n=32),
+                         replace(decode, block_k=decode.block_k // 2),
+                         replace(decode, block_h=decode.block_h // 2),
+                         replace(decode, block_h=decode.block_h * 2,
+                                 block_i=decode.block_i // 2),
+                         replace(decode, num_warps=8)]
     rows = []
     for tokens in ns.kernel_tokens:
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
@@ -128,19 +147,32 @@ def kernel_sweep(cfg: Any, model_cls: type, ns) -> list[dict]:
         _, ids = torch.softmax(logits.float(), -1).topk(k, -1)
         hit = int(torch.unique(ids).numel())
         nbytes = hit * 3 * h * inter * 2 + tokens * h * 2 * 2
-        default = fm.moe_config(tokens * k, e, torch.bfloat16, True)
+        sorted_default = fm.moe_config(tokens * k, e, torch.bfloat16, True)
+        small = tokens * k <= 2 * md.DECODE_MAX_PAIRS
+        on_decode = md.takes_decode_path(tokens, k, e)
+        default = decode if on_decode else sorted_default
         group = "small" if tokens * k / e <= 4 else "large"
-        results = {}
-        for cfg_i in [default, *[c for c in candidates[group] if c != default]]:
+        tried = [default, sorted_default, *candidates[group]]
+        if small:
+            tried += [decode, *decode_candidates]
+        results: dict[str, float] = {}
+        for cfg_i in dict.fromkeys(tried):  # each once, in order
             us = graph_time_us(lambda i, c=cfg_i, x=x, lg=logits: fm.fused_moe(
                 x, w13[i % copies], w2[i % copies], lg, k, renorm, config=c), calls=16)
             results[str(cfg_i)] = us
         best = min(results, key=results.get)
-        rows.append({"tokens": tokens, "experts_hit": hit, "default_us": results[str(default)],
-                     "default_fraction": nbytes / (results[str(default)] * 1e-6) / ns.bandwidth,
-                     "best_us": results[best], "best": best,
-                     "best_fraction": nbytes / (results[best] * 1e-6) / ns.bandwidth})
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress; stdout: one line
+        fraction = {c: nbytes / (us * 1e-6) / ns.bandwidth for c, us in results.items()}
+        row = {"tokens": tokens, "experts_hit": hit, "path": "decode" if on_decode else "sorted",
+               "default_us": results[str(default)],
+               "default_fraction": fraction[str(default)],
+               "best_us": results[best], "best": best, "best_fraction": fraction[best]}
+        if small:
+            for name, c in (("sorted", sorted_default), ("decode", decode),
+                            ("decode_route_kernel", route_kernel)):
+                row[f"{name}_us"] = results[str(c)]
+                row[f"{name}_fraction"] = fraction[str(c)]
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)  # progress; stdout: one line
     return rows
 
 

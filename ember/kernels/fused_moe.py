@@ -13,6 +13,8 @@ it; every grid is sized from the token count alone).
     sum_k      each token's k rows summed (float32, one rounding).
 
 Blocks past the padded total exit at once, so a grid sized for the worst case costs little.
+A few pairs (decode; ember.kernels.moe_decode.takes_decode_path) skip all of this: two
+launches, no sort, routing inside the first (ember.kernels.moe_decode).
 The rounding follows the torch path (each matmul's output rounded to the activation dtype, the
 SiLU rounded before the multiply, the weight rounded first when the model casts it), so bf16
 results stay within a few ulps of ember.layers.moe.moe_torch.
@@ -26,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels import moe_decode
 from ember.kernels.buffers import scratch_buffer
 from ember.kernels.launch import (
     cdiv,
@@ -92,7 +95,7 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 @triton.jit
 def _route_kernel(logits_ptr, stride_l, ids_ptr, weights_ptr, ranks_ptr, counts_ptr, E,
                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, COUNT: tl.constexpr, PDL: tl.constexpr):
     # One program per token: float32 softmax, k rounds of argmax (lowest index on ties).
     if PDL:  # see ember.kernels.launch.pdl_options
         tl.extra.cuda.gdc_wait()
@@ -119,9 +122,10 @@ def _route_kernel(logits_ptr, stride_l, ids_ptr, weights_ptr, ranks_ptr, counts_
     in_k = slots < K
     tl.store(ids_ptr + t * K + slots, ids, mask=in_k)
     tl.store(weights_ptr + t * K + slots, weights, mask=in_k)
-    # A token's k experts are distinct, so one vector of atomics has no duplicate address.
-    ranks = tl.atomic_add(counts_ptr + ids, 1, mask=in_k)
-    tl.store(ranks_ptr + t * K + slots, ranks, mask=in_k)
+    if COUNT:  # for align (the decode path has none: nothing would clear the counts)
+        # A token's k experts are distinct, so one vector of atomics has no duplicate address.
+        ranks = tl.atomic_add(counts_ptr + ids, 1, mask=in_k)
+        tl.store(ranks_ptr + t * K + slots, ranks, mask=in_k)
 
 
 @triton.jit
@@ -270,6 +274,10 @@ def _stats(device: torch.device) -> torch.Tensor:
     return scratch_buffer("moe_hit_stats", 2, torch.int64, device, zeroed=True)
 
 
+def _stats_if_counting(device: torch.device) -> torch.Tensor | None:
+    return _stats(device) if _COUNT_HITS else None
+
+
 def expert_hit_stats(device: torch.device | str, reset: bool = False) -> tuple[int, int]:
     """(experts hit summed over calls, calls) since the last reset; a host sync."""
     buf = _stats(torch.device(device))
@@ -300,21 +308,27 @@ def _counts(device: torch.device) -> torch.Tensor:
     return scratch_buffer("moe_expert_counts", MAX_EXPERTS, torch.int32, device, zeroed=True)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(topk_weights [T, k] float32, topk_ids [T, k] int32, ranks [T*k] int32) on the device;
-    also counts each expert's pairs into the zeroed scratch that ``align`` reads and clears."""
-    t, e = router_logits.shape
+def _check_experts(e: int) -> None:
     if e > MAX_EXPERTS:
         raise ValueError(f"{e} experts: the fused MoE kernel takes at most {MAX_EXPERTS}")
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, count: bool = True
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(topk_weights [T, k] float32, topk_ids [T, k] int32, ranks [T*k] int32) on the device;
+    also counts each expert's pairs into the zeroed scratch that ``align`` reads and clears.
+    ``count=False``: no counts, no ranks (None), for the decode path, which has no align."""
+    t, e = router_logits.shape
+    _check_experts(e)
     dev = router_logits.device
     ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
-    ranks = torch.empty(t * top_k, dtype=torch.int32, device=dev)
+    ranks = torch.empty(t * top_k, dtype=torch.int32, device=dev) if count else None
     if t:
-        _route_kernel[(t,)](router_logits, router_logits.stride(0), ids, weights, ranks,
-                            _counts(dev), e, K=top_k, BLOCK_K=max(2, next_power_of_2(top_k)),
-                            BLOCK_E=next_power_of_2(e), RENORMALIZE=renormalize,
+        _route_kernel[(t,)](router_logits, router_logits.stride(0), ids, weights,
+                            ids if ranks is None else ranks, _counts(dev) if count else ids, e,
+                            K=top_k, BLOCK_K=max(2, next_power_of_2(top_k)),
+                            BLOCK_E=next_power_of_2(e), RENORMALIZE=renormalize, COUNT=count,
                             **pdl_options(router_logits))
     return weights, ids, ranks
 
@@ -351,10 +365,12 @@ def align(topk_ids: torch.Tensor, ranks: torch.Tensor, num_experts: int, block_m
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   ranks: torch.Tensor | None = None, round_weights: bool = True,
-                  config: MoeConfig | None = None) -> torch.Tensor:  # fmt: skip
+                  config: MoeConfig | moe_decode.DecodeConfig | None = None
+                  ) -> torch.Tensor:  # fmt: skip
     """sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k].
 
-    ``ranks`` from ``route`` (its counts in the scratch); None counts here."""
+    ``ranks`` from ``route`` (its counts in the scratch, which only the sorted path clears);
+    None counts here, or takes the decode path (few pairs, or a DecodeConfig given)."""
     t, h = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -362,12 +378,19 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     n = t * top_k
     if t == 0:
         return torch.empty_like(x)
+    decode = moe_decode.chosen_config(config, x, top_k, num_experts) if ranks is None else None
+    if decode is not None:
+        return moe_decode.decode_moe(x, w13, w2, decode, round_weights, topk_weights=topk_weights,
+                                     topk_ids=topk_ids, stats=_stats_if_counting(x.device))
+    if isinstance(config, moe_decode.DecodeConfig):
+        raise ValueError("ranks given (counts in the scratch): only the sorted path clears them")
     if x.stride(-1) != 1:
         x = x.contiguous()
     ids = topk_ids.reshape(-1).to(torch.int32)
     if ranks is None:
         ranks = count(ids, num_experts)
     cfg = config or moe_config(n, num_experts, x.dtype, compiled_for_gpu(x))
+    assert isinstance(cfg, MoeConfig)
     sorted_ids, expert_ids, num_post = align(ids, ranks, num_experts, cfg.block_m)
     max_blocks = expert_ids.numel()
     precision = dot_precision(x.dtype)
@@ -398,9 +421,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
               top_k: int, renormalize: bool, round_weights: bool = True,
-              config: MoeConfig | None = None) -> torch.Tensor:  # fmt: skip
-    """Route on the device, then ``fused_experts``: the MoE layer's whole forward."""
+              config: MoeConfig | moe_decode.DecodeConfig | None = None
+              ) -> torch.Tensor:  # fmt: skip
+    """Route on the device, then ``fused_experts``: the MoE layer's whole forward. Few pairs
+    (or a DecodeConfig given) take the decode path, routing inside its first kernel when the
+    config says so."""
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    weights, ids, ranks = route(router_logits, top_k, renormalize)
-    return fused_experts(x, w13, w2, weights, ids, ranks, round_weights, config)
+    decode = moe_decode.chosen_config(config, x, top_k, router_logits.shape[1])
+    if decode is not None and decode.fuse_route:
+        _check_experts(router_logits.shape[1])
+        return moe_decode.decode_moe(x, w13, w2, decode, round_weights,
+                                     router_logits=router_logits, top_k=top_k,
+                                     renormalize=renormalize, stats=_stats_if_counting(x.device))
+    weights, ids, ranks = route(router_logits, top_k, renormalize, count=decode is None)
+    return fused_experts(x, w13, w2, weights, ids, ranks, round_weights, decode or config)

@@ -7,7 +7,8 @@ tensors, ``w13`` [E, 2I, H] (gate rows then up rows, one fused gate_up per exper
 [E, H, I]; checkpoints name them per expert and ``load_expert_weight`` places each one.
 
 On CUDA (outside torch.compile) the experts run as ember.kernels.fused_moe: tokens sorted by
-expert on the device, two grouped GEMMs over the experts that were hit, no host sync, so CUDA
+expert on the device, two grouped GEMMs over the experts that were hit (a few tokens instead
+take ember.kernels.moe_decode: two weight-streaming kernels, no sort), no host sync, so CUDA
 graphs capture it. Elsewhere the torch path loops over the experts that received tokens, in
 HF's order and with HF's arithmetic, so float32 results equal HF's exactly.
 """
