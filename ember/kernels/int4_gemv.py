@@ -22,24 +22,30 @@ import triton.language as tl
 
 from ember.kernels.int4_tile import (
     group_correction,
-    group_zero_scale,
     load_packs,
     load_q_tile,
-    pack_row_products,
+    one_row_tile,
     q_offset,
     q_operand,
 )
-from ember.kernels.launch import cdiv, dot_precision, merge_counters, num_sms, pdl_options
+from ember.kernels.launch import (
+    cdiv,
+    compiled_for_gpu,
+    dot_precision,
+    merge_counters,
+    num_sms,
+    pdl_options,
+)
 
 MAX_ROWS = 16
 
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr,
-                      M, N, K, stride_xm, stride_om, group_size, k_per_split,
+                      M, N, K, stride_xm, stride_om, k_per_split, GROUP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                      FMA: tl.constexpr, PDL: tl.constexpr):
+                      FMA: tl.constexpr, PACKED_HALF: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -50,24 +56,24 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     if FMA:
-        # A tile's load is issued two tiles ahead of its arithmetic (registers as a triple
-        # buffer), so each thread keeps up to two tiles of HBM reads in flight. The weight
-        # depends on no earlier kernel: the first two loads go out before the PDL wait, while
-        # the kernel before (RMSNorm, attention) still runs.
-        packs = load_packs(qw_ptr, k_lo, k_hi, n0, N, BLOCK_K, BLOCK_N)
-        following = load_packs(qw_ptr, k_lo + BLOCK_K, k_hi, n0, N, BLOCK_K, BLOCK_N)
+        # Two tiles of HBM reads in flight per thread: the loop body takes two tiles and
+        # reloads each right after its arithmetic (a register double buffer without copies).
+        # The weight depends on no earlier kernel: the first two loads go out before the PDL
+        # wait, while the kernel before (RMSNorm, attention) still runs.
+        first = load_packs(qw_ptr, k_lo, k_hi, n0, N, BLOCK_K, BLOCK_N)
+        second = load_packs(qw_ptr, k_lo + BLOCK_K, k_hi, n0, N, BLOCK_K, BLOCK_N)
     if PDL:  # see ember.kernels.launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if FMA:  # one row: [pack rows, BLOCK_N] partial sums, added up once at the end
         acc_rows = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            ahead = load_packs(qw_ptr, k0 + 2 * BLOCK_K, k_hi, n0, N, BLOCK_K, BLOCK_N)
-            t, xs = pack_row_products(packs, x_ptr, k0, k_hi, BLOCK_K, BLOCK_N)
-            packs = following
-            following = ahead
-            z, s = group_zero_scale(qz_ptr, s_ptr, k0 // group_size, n0, N, BLOCK_N)
-            acc_rows += (t - xs[:, None] * z[None, :]) * s[None, :]
+        for k0 in range(k_lo, k_hi, 2 * BLOCK_K):
+            acc_rows += one_row_tile(first, x_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, GROUP,
+                                     BLOCK_K, BLOCK_N, PACKED_HALF)
+            first = load_packs(qw_ptr, k0 + 2 * BLOCK_K, k_hi, n0, N, BLOCK_K, BLOCK_N)
+            acc_rows += one_row_tile(second, x_ptr, qz_ptr, s_ptr, k0 + BLOCK_K, k_hi, n0, N,
+                                     GROUP, BLOCK_K, BLOCK_N, PACKED_HALF)
+            second = load_packs(qw_ptr, k0 + 3 * BLOCK_K, k_hi, n0, N, BLOCK_K, BLOCK_N)
         acc = tl.sum(acc_rows, 0)[None, :]
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -78,8 +84,8 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
                         mask=m_mask[:, None] & (offs_k < k_hi)[None, :], other=0.0)
             part = tl.dot(x, q_operand(q, x.dtype), input_precision=DOT_PREC)
             xsum = tl.sum(x.to(tl.float32), 1)
-            acc += group_correction(part, xsum, qz_ptr, s_ptr, k0 // group_size, n0, N,
-                                    q_offset(x.dtype), BLOCK_N)
+            acc += group_correction(part, xsum, qz_ptr, s_ptr, k0 // GROUP, n0, N, q_offset(x.dtype),
+                                    BLOCK_N)
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -147,7 +153,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         config or int4_gemv_config(n, k, group_size, num_sms(x.device), m))
     fma = bool(rest and rest[0]) and m == 1
     assert group_size % block_k == 0 or group_size == k, "a tile must not straddle two groups"
-    k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
+    step = 2 * block_k if fma else block_k  # the one-row loop takes two tiles a step
+    k_per_split = cdiv(cdiv(k, split_k), step) * step
     split_k = cdiv(k, k_per_split)
     n_tiles = cdiv(n, block_n)
     if split_k > 1:
@@ -157,9 +164,10 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         partials = counters = out  # unused by the kernel
     _int4_gemv_kernel[(n_tiles, split_k)](
         x, qweight, qzeros, scales, bias if bias is not None else scales, out, partials,
-        counters, m, n, k, x.stride(0), out.stride(0), group_size, k_per_split,
+        counters, m, n, k, x.stride(0), out.stride(0), k_per_split, GROUP=group_size,
         BLOCK_M=1 if fma else MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype), FMA=fma, num_warps=num_warps,
+        HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype), FMA=fma,
+        PACKED_HALF=fma and x.dtype != torch.float32 and compiled_for_gpu(x), num_warps=num_warps,
         num_stages=num_stages, **pdl_options(x),
     )
     return out

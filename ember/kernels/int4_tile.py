@@ -73,6 +73,49 @@ def pack_row_products(packs, x_ptr, k0, k_hi, BLOCK_K: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def pack_dot_bf16x2(packs, zeros2, x04, x15, x26, x37):
+    """float32 sum_i x[i] (q[i] - z) of each pack (see the module docstring): ``zeros2`` the
+    bfloat16 pair (128 + z, 128 + z) of the pack's column, ``xIJ`` the bfloat16 pair (x[I],
+    x[J]) of the pack's rows, all as int32 bits. CUDA only (inline PTX, sm_90)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 qa, qb, qc, qd, sh;
+        .reg .b16 lo, hi;
+        .reg .f32 flo, fhi;
+        lop3.b32 qa, $1, 0x000f000f, 0x43004300, 0xea;
+        shr.u32 sh, $1, 4;
+        lop3.b32 qb, sh, 0x000f000f, 0x43004300, 0xea;
+        shr.u32 sh, $1, 8;
+        lop3.b32 qc, sh, 0x000f000f, 0x43004300, 0xea;
+        shr.u32 sh, $1, 12;
+        lop3.b32 qd, sh, 0x000f000f, 0x43004300, 0xea;
+        sub.rn.bf16x2 qa, qa, $2;
+        sub.rn.bf16x2 qb, qb, $2;
+        sub.rn.bf16x2 qc, qc, $2;
+        sub.rn.bf16x2 qd, qd, $2;
+        mul.rn.bf16x2 qa, qa, $3;
+        fma.rn.bf16x2 qa, qb, $4, qa;
+        fma.rn.bf16x2 qa, qc, $5, qa;
+        fma.rn.bf16x2 qa, qd, $6, qa;
+        mov.b32 {lo, hi}, qa;
+        cvt.f32.bf16 flo, lo;
+        cvt.f32.bf16 fhi, hi;
+        add.f32 $0, flo, fhi;
+        }""",
+        constraints="=f,r,r,r,r,r,r",
+        args=[packs, zeros2, x04, x15, x26, x37], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16_pair(x_ptr, offs, mask, i: tl.constexpr):
+    """int32 bits of the bfloat16 pair (x[offs + i], x[offs + i + 4]), the first in the low half."""
+    lo = tl.load(x_ptr + offs + i, mask=mask, other=0.0).to(tl.bfloat16)
+    hi = tl.load(x_ptr + offs + i + 4, mask=mask, other=0.0).to(tl.bfloat16)
+    lo = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
 def q_operand(q, DTYPE: tl.constexpr):
     """4-bit values q (int32, 0..15) as ``DTYPE`` values offset by ``q_offset(DTYPE)``, made
     from bit patterns (see the module docstring)."""
@@ -96,14 +139,46 @@ def q_offset(DTYPE: tl.constexpr):
 
 @triton.jit
 def group_zero_scale(qz_ptr, s_ptr, g, n0, N, BLOCK_N: tl.constexpr):
-    """Group ``g``'s zero points and scales [BLOCK_N] (float32) of columns n0.. (zeros packed
-    eight columns to an int32, column 8c + i in bits 4i..4i+3)."""
+    """Group ``g``'s zero points (int32) and scales (float32) [BLOCK_N] of columns n0.. (zeros
+    packed eight columns to an int32, column 8c + i in bits 4i..4i+3)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask = offs_n < N
     z = tl.load(qz_ptr + g * (N // 8) + offs_n // 8, mask=mask, other=0)
-    z = ((z >> ((offs_n % 8) * 4)) & 0xF).to(tl.float32)
-    s = tl.load(s_ptr + g.to(tl.int64) * N + offs_n, mask=mask, other=0.0).to(tl.float32)
+    z = (z >> ((offs_n % 8) * 4)) & 0xF
+    s = tl.load(s_ptr + g * N + offs_n, mask=mask, other=0.0).to(tl.float32)
     return z, s
+
+
+@triton.jit
+def one_row_tile(packs, x_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, GROUP: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PACKED_HALF: tl.constexpr):
+    """[BLOCK_K // 8, BLOCK_N] float32: per pack row, the dequantized product of one row of x
+    with the tile of ``packs`` (rows k0.., inside one group; all 0 when k0 >= k_hi). The zero
+    points and scales are read in the tile's own shape (each column's repeated down the rows,
+    from L1): read as vectors, they would be moved into the tile's layout through shared
+    memory with block-wide barriers in every step."""
+    offs_r = tl.arange(0, BLOCK_K // 8)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask = ((offs_n < N) & (k0 < k_hi))[None, :]
+    g = k0 // GROUP
+    z = tl.load(qz_ptr + g * (N // 8) + offs_n[None, :] // 8 + 0 * offs_r[:, None], mask=mask,
+                other=0)
+    z = (z >> ((offs_n % 8) * 4)[None, :]) & 0xF
+    scale = tl.load(s_ptr + g * N + offs_n[None, :] + 0 * offs_r[:, None],
+                    mask=mask, other=0.0).to(tl.float32)
+    if PACKED_HALF:
+        offs = k0 + 8 * offs_r
+        x_mask = offs < k_hi
+        x04 = _bf16_pair(x_ptr, offs, x_mask, 0)
+        x15 = _bf16_pair(x_ptr, offs, x_mask, 1)
+        x26 = _bf16_pair(x_ptr, offs, x_mask, 2)
+        x37 = _bf16_pair(x_ptr, offs, x_mask, 3)
+        t = pack_dot_bf16x2(packs, (z | 0x4300) * 0x10001, x04[:, None], x15[:, None],
+                            x26[:, None], x37[:, None])
+        return t * scale
+    else:
+        t, xs = pack_row_products(packs, x_ptr, k0, k_hi, BLOCK_K, BLOCK_N)
+        return (t - xs[:, None] * z.to(tl.float32)) * scale
 
 
 @triton.jit
@@ -112,4 +187,4 @@ def group_correction(part, xsum, qz_ptr, s_ptr, g, n0, N, offset, BLOCK_N: tl.co
     tile's rows with q carrying ``offset`` (q_operand), ``xsum`` [M] = the sum of x over the
     same rows (both fp32)."""
     z, s = group_zero_scale(qz_ptr, s_ptr, g, n0, N, BLOCK_N)
-    return (part - xsum[:, None] * (z + offset)[None, :]) * s[None, :]
+    return (part - xsum[:, None] * (z.to(tl.float32) + offset)[None, :]) * s[None, :]
