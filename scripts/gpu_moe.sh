@@ -13,8 +13,8 @@ for part in ${*:-bench}; do
     tests) stage moe_gpu_tests 240 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
              --durations=10 tests/test_moe.py tests/test_moe_models.py \
              --junitxml="$OUT/moe_tests.xml" ;;
-    bench) stage moe_bench 300 python3 -m ember.bench.moe --model ember/configs/qwen3-30b-a3b \
-             --kernel --kernel-tokens 1 8 64 512 4096 --out "$OUT/moe.json" ;;
+    bench) stage moe_bench 420 python3 -m ember.bench.moe --model ember/configs/qwen3-30b-a3b \
+             --kernel --kernel-tokens 1 2 4 8 64 512 4096 --out "$OUT/moe.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done
