@@ -22,9 +22,10 @@ import triton.language as tl
 
 from ember.kernels.int4_tile import (
     group_correction,
-    load_packs,
     load_q_tile,
     one_row_tile,
+    one_row_weights,
+    one_row_x,
     q_offset,
     q_operand,
 )
@@ -56,24 +57,33 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     if FMA:
-        # Two tiles of HBM reads in flight per thread: the loop body takes two tiles and
-        # reloads each right after its arithmetic (a register double buffer without copies).
-        # The weight depends on no earlier kernel: the first two loads go out before the PDL
-        # wait, while the kernel before (RMSNorm, attention) still runs.
-        first = load_packs(qw_ptr, k_lo, k_hi, n0, N, BLOCK_K, BLOCK_N)
-        second = load_packs(qw_ptr, k_lo + BLOCK_K, k_hi, n0, N, BLOCK_K, BLOCK_N)
+        # Two tiles of loads in flight per thread: the loop body takes two tiles and reissues
+        # each one's loads (weights, zero points, scales and x, so no L2 latency is waited for
+        # at a tile's start) right after its arithmetic: a register double buffer without
+        # copies. The weight depends on no earlier kernel: the first two tiles of it are read
+        # before the PDL wait, while the kernel before (RMSNorm, attention) still runs.
+        w_first = one_row_weights(qw_ptr, qz_ptr, s_ptr, k_lo, k_hi, n0, N, GROUP, BLOCK_K,
+                                  BLOCK_N)
+        w_second = one_row_weights(qw_ptr, qz_ptr, s_ptr, k_lo + BLOCK_K, k_hi, n0, N, GROUP,
+                                   BLOCK_K, BLOCK_N)
     if PDL:  # see ember.kernels.launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if FMA:  # one row: [pack rows, BLOCK_N] partial sums, added up once at the end
+        x_first = one_row_x(x_ptr, k_lo, k_hi, BLOCK_K, PACKED_HALF)
+        x_second = one_row_x(x_ptr, k_lo + BLOCK_K, k_hi, BLOCK_K, PACKED_HALF)
         acc_rows = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, 2 * BLOCK_K):
-            acc_rows += one_row_tile(first, x_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, GROUP,
-                                     BLOCK_K, BLOCK_N, PACKED_HALF)
-            first = load_packs(qw_ptr, k0 + 2 * BLOCK_K, k_hi, n0, N, BLOCK_K, BLOCK_N)
-            acc_rows += one_row_tile(second, x_ptr, qz_ptr, s_ptr, k0 + BLOCK_K, k_hi, n0, N,
-                                     GROUP, BLOCK_K, BLOCK_N, PACKED_HALF)
-            second = load_packs(qw_ptr, k0 + 3 * BLOCK_K, k_hi, n0, N, BLOCK_K, BLOCK_N)
+            acc_rows += one_row_tile(w_first, x_first, x_ptr, k0, k_hi, BLOCK_K, BLOCK_N,
+                                     PACKED_HALF)
+            w_first = one_row_weights(qw_ptr, qz_ptr, s_ptr, k0 + 2 * BLOCK_K, k_hi, n0, N,
+                                      GROUP, BLOCK_K, BLOCK_N)
+            x_first = one_row_x(x_ptr, k0 + 2 * BLOCK_K, k_hi, BLOCK_K, PACKED_HALF)
+            acc_rows += one_row_tile(w_second, x_second, x_ptr, k0 + BLOCK_K, k_hi, BLOCK_K,
+                                     BLOCK_N, PACKED_HALF)
+            w_second = one_row_weights(qw_ptr, qz_ptr, s_ptr, k0 + 3 * BLOCK_K, k_hi, n0, N,
+                                       GROUP, BLOCK_K, BLOCK_N)
+            x_second = one_row_x(x_ptr, k0 + 3 * BLOCK_K, k_hi, BLOCK_K, PACKED_HALF)
         acc = tl.sum(acc_rows, 0)[None, :]
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -119,16 +129,16 @@ def int4_gemv_config(n: int, k: int, group_size: int, sms: int,
                      rows: int = 1) -> tuple[int, int, int, int, int, bool]:
     """(block_n, block_k, split_k, num_warps, num_stages, fma) for an [k, n] weight: tiles of
     128 rows, and K splits until the grid holds about ``programs_per_sm`` programs per SM (a
-    decode projection of 4096 outputs has few tiles). One row: float32 multiply-adds over
-    128-wide tiles with 4 warps and four programs per SM (each keeps only one tile of loads in
-    flight, so more of them hide HBM's latency); more rows: 64-wide tensor-core tiles and two
-    programs per SM (not swept)."""
+    decode projection of 4096 outputs has few tiles). One row: multiply-adds on the CUDA cores
+    over 128-wide tiles with 4 warps, two programs per SM: an H200 sweep of Llama-3.1-8B's
+    projections found more programs per SM slower (`ember.bench.quant kernels --sweep`). More
+    rows: 64-wide tensor-core tiles, two programs per SM (not swept)."""
     fma = rows == 1
     block_n = 128 if fma else 64
     block_k = block_k_for(group_size, 128)
     tiles = cdiv(n, block_n)
     steps = cdiv(k, block_k)
-    split_k = max(1, min(cdiv((4 if fma else 2) * sms, tiles), steps // 2 or 1))
+    split_k = max(1, min(cdiv(2 * sms, tiles), steps // 2 or 1))
     return block_n, block_k, split_k, 4, 4, fma
 
 

@@ -150,13 +150,14 @@ def group_zero_scale(qz_ptr, s_ptr, g, n0, N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def one_row_tile(packs, x_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, GROUP: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PACKED_HALF: tl.constexpr):
-    """[BLOCK_K // 8, BLOCK_N] float32: per pack row, the dequantized product of one row of x
-    with the tile of ``packs`` (rows k0.., inside one group; all 0 when k0 >= k_hi). The zero
-    points and scales are read in the tile's own shape (each column's repeated down the rows,
-    from L1): read as vectors, they would be moved into the tile's layout through shared
-    memory with block-wide barriers in every step."""
+def one_row_weights(qw_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, GROUP: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The weight-side loads of one tile (rows k0.., inside one group) of the one-row product:
+    (packs, zero points, scales), all [BLOCK_K // 8, BLOCK_N]; 0 when k0 >= k_hi. Zero points
+    and scales are read in the tile's shape (each column's repeated down the rows, from L1):
+    read as vectors, they would be moved into the tile's layout through shared memory with
+    block-wide barriers in every step."""
+    packs = load_packs(qw_ptr, k0, k_hi, n0, N, BLOCK_K, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_K // 8)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask = ((offs_n < N) & (k0 < k_hi))[None, :]
@@ -164,15 +165,34 @@ def one_row_tile(packs, x_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, GROUP: tl.constex
     z = tl.load(qz_ptr + g * (N // 8) + offs_n[None, :] // 8 + 0 * offs_r[:, None], mask=mask,
                 other=0)
     z = (z >> ((offs_n % 8) * 4)[None, :]) & 0xF
-    scale = tl.load(s_ptr + g * N + offs_n[None, :] + 0 * offs_r[:, None],
-                    mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(s_ptr + g * N + offs_n[None, :] + 0 * offs_r[:, None], mask=mask,
+                    other=0.0).to(tl.float32)
+    return packs, z, scale
+
+
+@triton.jit
+def one_row_x(x_ptr, k0, k_hi, BLOCK_K: tl.constexpr, PACKED_HALF: tl.constexpr):
+    """The x-side loads of the same tile: with PACKED_HALF the bfloat16 pairs (x[8r + i],
+    x[8r + i + 4]) for i = 0..3 as int32 bits [BLOCK_K // 8]; otherwise nothing is loaded
+    ahead (the float32 path reads x as it multiplies) and four empty values stand in."""
+    offs = k0 + 8 * tl.arange(0, BLOCK_K // 8)
+    mask = offs < k_hi
     if PACKED_HALF:
-        offs = k0 + 8 * offs_r
-        x_mask = offs < k_hi
-        x04 = _bf16_pair(x_ptr, offs, x_mask, 0)
-        x15 = _bf16_pair(x_ptr, offs, x_mask, 1)
-        x26 = _bf16_pair(x_ptr, offs, x_mask, 2)
-        x37 = _bf16_pair(x_ptr, offs, x_mask, 3)
+        return (_bf16_pair(x_ptr, offs, mask, 0), _bf16_pair(x_ptr, offs, mask, 1),
+                _bf16_pair(x_ptr, offs, mask, 2), _bf16_pair(x_ptr, offs, mask, 3))
+    else:
+        empty = tl.zeros([BLOCK_K // 8], dtype=tl.int32)
+        return empty, empty, empty, empty
+
+
+@triton.jit
+def one_row_tile(weights, xpairs, x_ptr, k0, k_hi, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PACKED_HALF: tl.constexpr):
+    """[BLOCK_K // 8, BLOCK_N] float32: per pack row, the dequantized product of one row of x
+    with the tile whose loads ``one_row_weights`` and ``one_row_x`` made."""
+    packs, z, scale = weights
+    if PACKED_HALF:
+        x04, x15, x26, x37 = xpairs
         t = pack_dot_bf16x2(packs, (z | 0x4300) * 0x10001, x04[:, None], x15[:, None],
                             x26[:, None], x37[:, None])
         return t * scale
