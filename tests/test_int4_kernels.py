@@ -188,6 +188,7 @@ def test_gemv_config_splits_small_grids():
         assert block_k == 128 and 4096 // block_n * split_k >= 132 and fma == (rows == 1)
         assert int4_gemv_config(4096, 4096, 32, 132, rows)[1] == 32  # a tile stays in a group
     assert int4_gemv_config(28672, 4096, 128, 132, 4)[2] == 1
+    assert int4_gemv_config(28672, 4096, 128, 132)[2] == 1  # a tile for every SM: unsplit
 
 
 LLAMA8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out)

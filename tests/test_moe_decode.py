@@ -162,30 +162,30 @@ def test_fused_routing_breaks_ties_as_the_route_kernel():
 
 
 def test_which_calls_take_the_decode_path():
-    # Qwen3-30B-A3B (128 experts, top 8): up to 4 tokens; Mixtral (8, top 2): one token.
-    assert md.takes_decode_path(1, 8, 128) and md.takes_decode_path(4, 8, 128)
-    assert not md.takes_decode_path(5, 8, 128)
+    # One token only (the H200 sweep: the sorted path wins from 2 tokens on).
+    assert md.takes_decode_path(1, 8, 128) and not md.takes_decode_path(2, 8, 128)
     assert md.takes_decode_path(1, 2, 8) and not md.takes_decode_path(2, 2, 8)
     assert md.takes_decode_path(1, 3, 4)  # one token: its experts are distinct
     assert not md.takes_decode_path(1, md.DECODE_MAX_TOP_K + 1, 64)
 
 
 def test_fused_moe_dispatch(monkeypatch):
-    """Few pairs go to moe_decode without touching the align counts; more pairs, ranks from
-    the route kernel, or a MoeConfig go to the sorted path."""
+    """One token goes to moe_decode without touching the align counts; more tokens, ranks
+    from the route kernel, or a MoeConfig go to the sorted path."""
     calls = []
     real = md.decode_moe
     monkeypatch.setattr(md, "decode_moe", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     shape = (2, 16, 2, 32, 16)
     x, w13, w2, logits = _case(shape, torch.float32)
-    fm.fused_moe(x, w13, w2, logits, 2, True)
-    assert len(calls) == 1 and calls[0]["router_logits"] is logits
+    one_x, one_logits = x[:1], logits[:1]
+    fm.fused_moe(one_x, w13, w2, one_logits, 2, True)
+    assert len(calls) == 1 and calls[0]["router_logits"] is one_logits
     assert not fm._counts(x.device).any()
-    fm.fused_moe(x, w13, w2, logits, 2, True, config=fm.moe_config(4, 16, x.dtype, False))
-    weights, ids, ranks = fm.route(logits, 2, True)
-    fm.fused_experts(x, w13, w2, weights, ids, ranks)  # consumes the counts: sorted path
-    big = torch.cat([x] * 2), torch.cat([logits] * 2)  # 8 pairs > 16 / 4
-    fm.fused_moe(big[0], w13, w2, big[1], 2, True)
+    fm.fused_moe(one_x, w13, w2, one_logits, 2, True,
+                 config=fm.moe_config(2, 16, x.dtype, False))
+    weights, ids, ranks = fm.route(one_logits, 2, True)
+    fm.fused_experts(one_x, w13, w2, weights, ids, ranks)  # consumes the counts: sorted path
+    fm.fused_moe(x, w13, w2, logits, 2, True)  # two tokens
     assert len(calls) == 1
     assert not fm._counts(x.device).any()
     weights, ids, ranks = fm.route(logits, 2, True)

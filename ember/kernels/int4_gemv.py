@@ -129,16 +129,17 @@ def int4_gemv_config(n: int, k: int, group_size: int, sms: int,
                      rows: int = 1) -> tuple[int, int, int, int, int, bool]:
     """(block_n, block_k, split_k, num_warps, num_stages, fma) for an [k, n] weight: tiles of
     128 rows, and K splits until the grid holds about ``programs_per_sm`` programs per SM (a
-    decode projection of 4096 outputs has few tiles). One row: multiply-adds on the CUDA cores
-    over 128-wide tiles with 4 warps, two programs per SM: an H200 sweep of Llama-3.1-8B's
-    projections found more programs per SM slower (`ember.bench.quant kernels --sweep`). More
-    rows: 64-wide tensor-core tiles, two programs per SM (not swept)."""
+    decode projection of 4096 outputs has few tiles); a weight with a tile for every SM is not
+    split. One row: multiply-adds on the CUDA cores over 128-wide tiles with 4 warps: on an
+    H200 (``ember.bench.quant kernels --sweep`` at Llama-3.1-8B's projections, 2026-12-02) two
+    programs per SM beat three and four, and gate_up's 224 tiles ran fastest unsplit (35.8
+    against 38.6 us split in two). More rows: 64-wide tensor-core tiles (not swept)."""
     fma = rows == 1
     block_n = 128 if fma else 64
     block_k = block_k_for(group_size, 128)
     tiles = cdiv(n, block_n)
     steps = cdiv(k, block_k)
-    split_k = max(1, min(cdiv(2 * sms, tiles), steps // 2 or 1))
+    split_k = 1 if tiles >= sms else max(1, min(cdiv(2 * sms, tiles), steps // 2 or 1))
     return block_n, block_k, split_k, 4, 4, fma
 
 

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ember.kernels.launch import cdiv, compiled_for_gpu, next_power_of_2, pdl_options
 
-# Pairs (tokens * top_k) up to which fused_moe takes this path; see takes_decode_path.
+# Pairs (tokens * top_k) up to which ember.bench.moe times this path beside the sorted one.
 DECODE_MAX_PAIRS = 32
 # The down kernel holds all k slots of a token in one tile: beyond this, registers run out.
 DECODE_MAX_TOP_K = 16
@@ -54,40 +54,31 @@ class DecodeConfig:
 
 
 def takes_decode_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
-    """Whether this path should run a layer call: one token always (its k experts are
-    distinct, nothing is read twice), else at most min(32, E / 4) pairs.
-
-    Its gain is where the sorted path leaves SMs idle and its fixed costs weigh: at batch 1
-    of Qwen3-30B-A3B the sorted path streams at 57% of the bandwidth (gemm1: 96 programs for
-    132 SMs, plus align and sum_k), at 8 tokens already at 93%
-    (benchmarks/results/h200-moe.json), so there is little to win at 8. Its risk is pairs
-    sharing an expert: each reads it, and only L2 keeps that off DRAM. With pairs <= E / 4
-    the distinct experts are ~88% of the pairs (E (1 - e^-1/4) on average, routing uniform):
-    few reads repeat. 32 pairs: Qwen3-30B-A3B decode up to 4 sequences, Mixtral's (8 experts) only
-    batch 1. ``python -m ember.bench.moe --kernel`` times both paths at 1 to 8 tokens: where
-    the crossover lies on the GPU is its data, not this guess."""
-    if top_k > DECODE_MAX_TOP_K:
-        return False
-    pairs = num_tokens * top_k
-    return num_tokens == 1 or pairs <= min(DECODE_MAX_PAIRS, num_experts // 4)
+    """Whether this path should run a layer call: one token only (its k experts are distinct,
+    nothing is read twice). On an H200 at the Qwen3-30B-A3B shape one layer took 28.1 us here
+    against the sorted path's 31.0 at 1 token, but 57.0 against 51.3 at 2 tokens and 94.9
+    against 80.7 at 4 (``python -m ember.bench.moe --kernel``, 2026-12-02): past one token the
+    sorted path's single read of a shared expert wins."""
+    return num_tokens == 1 and top_k <= DECODE_MAX_TOP_K
 
 
 def decode_config(top_k: int, num_experts: int, dtype: torch.dtype,
                   on_gpu: bool) -> DecodeConfig:  # fmt: skip
-    """Tiles for an H200-class GPU, not yet tuned (``python -m ember.bench.moe --kernel``
-    times the alternatives). Enough programs at batch 1 to fill every SM several times over
-    (Qwen3-30B-A3B: 384 up, 512 down), each step's weights loaded before any is used, in
+    """Tiles for an H200-class GPU, the fastest at 1 token of ``python -m ember.bench.moe
+    --kernel``'s candidates. Enough programs at batch 1 to fill every SM several times over
+    (Qwen3-30B-A3B: 384 up, 1024 down), each step's weights loaded before any is used, in
     16-byte loads: 32 KB a step of an up program (~150 registers a thread at 4 warps: 3
-    programs an SM), 16 KB of a down one (k slots x 4 rows x 256, ~70 registers; a taller
-    tile spills), ~12 and ~8 MB in flight over the GPU at batch 1, more than the bandwidth-
-    latency product asks. Small tiles under TRITON_INTERPRET (CPU tests)."""
+    programs an SM), 8 KB of a down one (k slots x 2 rows x 256). Small tiles under
+    TRITON_INTERPRET (CPU tests)."""
     k_pad = _k_pad(top_k)
     fuse = num_experts <= FUSE_ROUTE_MAX_EXPERTS
     if not on_gpu:
         return DecodeConfig(16, 32, 16, 16, 1, fuse)
     wide = dtype == torch.float32  # twice the bytes per element: half the step
-    block_h = 4
-    block_i = max(16, min(1024, 8192 // (k_pad * block_h)))
+    # Down tiles of 2 output rows: the fastest of the H200 sweep at 1 token (28.1 us a layer
+    # against 34.0 with 4 rows), twice the programs for the same step bytes per row.
+    block_h = 2
+    block_i = max(16, min(1024, 4096 // (k_pad * block_h)))
     return DecodeConfig(16, 256 if wide else 512, block_h, block_i // 2 if wide else block_i,
                         4, fuse)
 
