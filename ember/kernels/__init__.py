@@ -9,6 +9,7 @@
     argmax              greedy argmax of a few rows over vocabulary chunks
     small_batch_linear  weight-streaming linear layer for up to 16 rows
     fused_moe           mixture-of-experts routing, expert sort and grouped GEMMs
+    moe_decode          the mixture-of-experts layer for one token: two kernels, no sort
     int4_gemv           4-bit (AWQ/GPTQ) linear layer for up to 16 rows, weight streaming
     int4_gemm           4-bit (AWQ/GPTQ) linear layer for many rows, tiled
     fp8_quant           dynamic per-token float8 quantization of activations (W8A8 layers)
@@ -46,6 +47,7 @@ OPS = (
     "argmax",
     "small_batch_linear",
     "fused_moe",
+    "moe_decode",
     "int4_gemv",
     "int4_gemm",
     "fp8_quant",
