@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ember import kernels
 from ember.attention_backends.base import AttentionBackend, AttentionMetadata
 from ember.config import ModelConfig
 from ember.core.scheduler_output import GrammarBitmask, SchedulerOutput
 from ember.kernels import dispatch
 from ember.layers.sampler import Sampler, greedy_argmax
-from ember.logits_processors.interface import ProcessorContext, to_device
+from ember.logits_processors.interface import ProcessorContext
 from ember.logits_processors.pipeline import LogitsProcessorSet
+from ember.worker.grammar_mask import GrammarMasks
 from ember.worker.in_flight import InFlightStep
 from ember.worker.input_batch import (
     BlockTableRows,
@@ -112,8 +112,7 @@ class ModelRunner:
             ProcessorContext(model_config.vocab_size, self.device))
         self.stager = InputStager(platform)
         self.in_flight: InFlightStep | None = None  # the last launched step
-        self._grammar_buffers: list[torch.Tensor | None] = [None, None]  # pinned bitmask copies
-        self._grammar_buffer_index = 0
+        self.grammar_masks = GrammarMasks(platform, self.device)
 
     # ---- set-up (called by ember.worker.builder) ---------------------------------------
     def compile_model(self) -> None:
@@ -340,10 +339,11 @@ class ModelRunner:
             # GPU one kernel reads the bitmask and the logits as they are).
             if grammar is not None and dispatch.on_gpu(logits) and \
                     dispatch.layer_kernels_enabled():
-                step.attach_samples(rows, self._masked_argmax(logits, rows, grammar), None)
+                step.attach_samples(
+                    rows, self.grammar_masks.masked_argmax(logits, rows, grammar), None)
                 return
             if grammar is not None:
-                logits = self._masked_logits(logits, rows, grammar)
+                logits = self.grammar_masks.masked_logits(logits, rows, grammar)
             step.attach_samples(rows, greedy_argmax(logits), None)
             return
         if previous is not None and any(
@@ -366,83 +366,11 @@ class ModelRunner:
             [s.req_id for s in rows],
         )
         if grammar is not None:
-            mask = self._grammar_mask(rows, grammar)
+            mask = self.grammar_masks.for_sampler(rows, grammar)
             if mask is not None:
                 metadata.grammar_bitmask, metadata.grammar_rows, metadata.grammar_row_list = mask
         sampled = self.sampler(logits, metadata)
         step.attach_samples(rows, sampled.sampled_token_ids, sampled.logprobs)
-
-    def _masked_logits(self, logits: torch.Tensor, rows: list,
-                       grammar: GrammarBitmask) -> torch.Tensor:
-        """float32 `logits` with the grammar rows' disallowed tokens at -inf (as the sampler)."""
-        from ember.structured_output.bitmask import apply_token_bitmask_
-
-        logits = logits.float()
-        mask = self._grammar_mask(rows, grammar)
-        return logits if mask is None else apply_token_bitmask_(logits, *mask)
-
-    def _masked_argmax(self, logits: torch.Tensor, rows: list,
-                       grammar: GrammarBitmask) -> torch.Tensor:
-        """Greedy ids under the grammar rows' bitmask (ember.kernels.argmax): the bitmask goes
-        to the device as the scheduler made it, with each logits row's bitmask row (or -1)."""
-        index = {state.req_id: i for i, state in enumerate(rows)}
-        mask_rows = np.full(len(rows), -1, dtype=np.int32)
-        for j, req_id in enumerate(grammar.req_ids):
-            i = index.get(req_id)
-            if i is not None:
-                mask_rows[i] = j
-        if not (mask_rows >= 0).any():
-            return greedy_argmax(logits)
-        bitmask = grammar.bitmask.numpy()
-        # One copy for both: the row map, then the bitmask.
-        both = self._pinned_to_device(mask_rows, bitmask)
-        return kernels.argmax.argmax_rows(
-            logits, both[len(rows):].view(bitmask.shape), both[:len(rows)])
-
-    def _pinned_to_device(self, *arrays: np.ndarray) -> torch.Tensor:
-        """int32 host arrays on the device, one after another (flat; one array keeps its shape),
-        copied from page-locked memory without blocking. Two buffers used in turn: the copy out
-        of one is done by the time it comes round again (the step that used it is resolved)."""
-        size = sum(a.size for a in arrays)
-        self._grammar_buffer_index ^= 1
-        buffer = self._grammar_buffers[self._grammar_buffer_index]
-        if buffer is None or buffer.numel() < size:
-            buffer = self.platform.empty_host_buffer(max(size, 2 * (
-                0 if buffer is None else buffer.numel())), torch.int32)
-            self._grammar_buffers[self._grammar_buffer_index] = buffer
-        host, flat, start = buffer[:size], buffer.numpy(), 0
-        for array in arrays:
-            flat[start:start + array.size] = array.reshape(-1)
-            start += array.size
-        if len(arrays) == 1:
-            host = host.view(arrays[0].shape)
-        return host.to(self.device, non_blocking=True)
-
-    def _grammar_mask(self, rows: list, grammar: GrammarBitmask
-                      ) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None] | None:
-        """Structured outputs: the scheduler's bitmask rows laid out as this step's logits rows
-        (rows without a grammar allow everything), copied to the device without blocking, as
-        (bitmask, its logits rows on the device, the same on the host); the rows are None when
-        the bitmask covers every row in order. None when no row here has a grammar."""
-        index = {state.req_id: i for i, state in enumerate(rows)}
-        pairs = [(index[req_id], j) for j, req_id in enumerate(grammar.req_ids) if req_id in index]
-        if not pairs:
-            return None
-        # Host work in numpy: torch ops on the host would wake torch's thread pool (see
-        # StructuredOutputManager.fill).
-        bitmask = grammar.bitmask.numpy()
-        row_list: list[int] | None = [i for i, _ in pairs]
-        device_rows = None
-        if row_list != list(range(len(rows))) or len(bitmask) != len(rows):
-            full = np.full((len(rows), bitmask.shape[1]), -1, dtype=np.int32)
-            full[row_list] = bitmask[[j for _, j in pairs]]
-            bitmask = full
-            device_rows = to_device(row_list, torch.int64, self.device)
-        else:
-            row_list = None
-        if self.platform.device_is_host():
-            return torch.from_numpy(bitmask), device_rows, row_list
-        return self._pinned_to_device(bitmask), device_rows, row_list
 
     def _prompt_logprobs(
         self, batch: FlatBatch, hidden: torch.Tensor, out: SchedulerOutput, result
