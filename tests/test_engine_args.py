@@ -221,7 +221,7 @@ def test_tokenizer_path_is_used(tiny, tmp_path):
 def test_trust_remote_code_reaches_transformers(tiny, monkeypatch):
     import transformers
 
-    from ember.config import load_hf_config
+    from ember.model_resolution import load_hf_config
 
     seen = []
     real = transformers.AutoConfig.from_pretrained

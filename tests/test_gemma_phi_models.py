@@ -36,7 +36,7 @@ def _pair(arch: str, tmp_path, max_model_len: int | None = None):
     hf.save_pretrained(path, safe_serialization=True)
     config = load_config(path)
     if arch == "gemma3_mm":  # what ember.config does for a "text_config" architecture
-        from ember.config import text_only_config
+        from ember.model_resolution import text_only_config
 
         config = text_only_config(config, "Gemma3ForConditionalGeneration")
     if max_model_len is not None:

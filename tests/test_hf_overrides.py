@@ -101,7 +101,7 @@ def test_layers_beyond_the_override_are_not_read(tiny_llama, monkeypatch):
 def test_nested_dict_updates_a_sub_config():
     from transformers import AutoConfig
 
-    from ember.config import apply_hf_overrides
+    from ember.model_resolution import apply_hf_overrides
 
     config = AutoConfig.for_model("llava", text_config={"model_type": "llama"})
     apply_hf_overrides(config, {"text_config": {"rms_norm_eps": 0.5}})

@@ -102,7 +102,7 @@ def test_hub_name_revisions_offline(hub_cache, offline):
 
 
 def test_resolution_uses_the_snapshot_and_reads_safetensors_only(hub_cache, offline):
-    from ember.config import resolve_model_source
+    from ember.model_resolution import resolve_model_source
     from ember.models.loader.hub import fetch_weights
 
     cache, _, _ = hub_cache
@@ -116,7 +116,7 @@ def test_resolution_uses_the_snapshot_and_reads_safetensors_only(hub_cache, offl
 def test_default_cache_is_hf_hub_cache(hub_cache, offline, monkeypatch):
     from huggingface_hub import constants
 
-    from ember.config import resolve_model_path
+    from ember.model_resolution import resolve_model_path
 
     cache, _, _ = hub_cache
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
@@ -163,7 +163,7 @@ def test_hub_only_arguments_refused_for_local_models(hub_cache):
 
 
 def test_repo_without_safetensors_is_refused(hub_cache, offline, tmp_path):
-    from ember.config import resolve_model_source
+    from ember.model_resolution import resolve_model_source
     from ember.models.loader.hub import fetch_weights
 
     cache, main, _ = hub_cache
@@ -242,7 +242,7 @@ def test_plugins_explain_takes_a_hub_name(hub_cache, offline, monkeypatch, capsy
 _ONLINE_SCRIPT = """
 import json, sys
 from ember import LLM, SamplingParams
-from ember.config import resolve_model_source
+from ember.model_resolution import resolve_model_source
 from ember.models.loader.hub import fetch_weights
 
 out = {}

@@ -317,7 +317,7 @@ def test_explain_derives_the_head_size_the_engine_builds(tmp_path, arch, fields)
     import transformers
 
     from ember.attention_backends.sdpa import SdpaBackend
-    from ember.config import load_hf_config
+    from ember.model_resolution import load_hf_config
     from ember.registry import ModelRegistry
 
     config = {"architectures": [f"{arch.capitalize()}ForCausalLM"], "model_type": arch,

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_CACHE_DIR"] = cache
     from ember import LLM
     from ember.bench.workloads import random_workload
-    from ember.config import load_hf_config, resolve_model_path
+    from ember.model_resolution import load_hf_config, resolve_model_path
 
     vocab = load_hf_config(resolve_model_path(ns.model))[0].vocab_size
     workload = random_workload(ns.num_prompts, tuple(ns.input_len), tuple(ns.output_len), vocab,

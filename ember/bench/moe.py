@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
 
     from ember.bench.provenance import git_commit
-    from ember.config import load_hf_config, resolve_model_path
     from ember.kernels import fused_moe
+    from ember.model_resolution import load_hf_config, resolve_model_path
     from ember.registry import ModelRegistry
 
     cfg = load_hf_config(resolve_model_path(ns.model))[0]

@@ -205,7 +205,7 @@ def main(ns: argparse.Namespace) -> int:
                     "machine": host_platform.processor() or host_platform.machine(),
                     "args": vars(ns).copy()}
     result["args"].pop("func", None)
-    from ember.config import load_hf_config, resolve_model_path
+    from ember.model_resolution import load_hf_config, resolve_model_path
 
     vocab = load_hf_config(resolve_model_path(ns.model))[0].vocab_size
     workload = random_workload(ns.num_prompts, _span(ns.input_len), _span(ns.output_len), vocab,

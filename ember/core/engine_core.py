@@ -60,7 +60,7 @@ class EngineCore(EngineCoreControl):
             )
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         platform = self.executor.platform
-        from ember.config import load_engine_tokenizer
+        from ember.model_resolution import load_engine_tokenizer
 
         # Grammars are built on worker threads; the tokenizer is loaded there, on first use.
         self.structured_output = StructuredOutputManager(

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ember.config import EngineArgs, load_engine_tokenizer
+from ember.config import EngineArgs
 from ember.core.messages import EngineCoreOutputs, SchedulerStats
 from ember.engine.async_pooling import AsyncPoolingMixin
 from ember.engine.core_client import CoreAddress, MPCoreClient
@@ -35,6 +35,7 @@ from ember.engine.llm_engine import resolve_front_end_config
 from ember.engine.output_processor import OutputProcessor, merge_delta_outputs
 from ember.engine.processor import InputProcessor
 from ember.inputs import PromptType
+from ember.model_resolution import load_engine_tokenizer
 from ember.outputs import RequestOutput
 from ember.sampling_params import RequestOutputKind, SamplingParams
 

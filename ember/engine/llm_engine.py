@@ -13,13 +13,14 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ember.config import EngineArgs, load_engine_tokenizer
+from ember.config import EngineArgs
 from ember.core.messages import EngineCoreOutputs
 from ember.engine.core_client import InprocCoreClient, MPCoreClient
 from ember.engine.engine_control import EngineControlMixin
 from ember.engine.output_processor import OutputProcessor
 from ember.engine.processor import InputProcessor
 from ember.inputs import PromptType
+from ember.model_resolution import load_engine_tokenizer
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 
@@ -28,7 +29,7 @@ logger = logging.getLogger("ember")
 
 def resolve_front_end_config(args: EngineArgs):
     """The ModelConfig as the core will resolve it (same function, same arguments)."""
-    from ember.config import resolve_model_config
+    from ember.model_resolution import resolve_model_config
     from ember.platforms import resolve_platform
     from ember.plugins import load_plugins
 

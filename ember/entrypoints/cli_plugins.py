@@ -174,7 +174,7 @@ def _dir_config(model_dir: str, notes: list[str]) -> Any:
     when transformers cannot read it."""
     from types import SimpleNamespace
 
-    from ember.config import load_hf_config
+    from ember.model_resolution import load_hf_config
 
     try:
         return load_hf_config(model_dir)[0]
@@ -195,7 +195,7 @@ def _model_facts(model: str | None, head_size: int | None) -> tuple[dict[str, An
     cfg: Any = None
     if model is None:
         try:
-            from ember.config import resolve_model_path
+            from ember.model_resolution import resolve_model_path
 
             model = resolve_model_path(None)
             notes.append(f"model: the embedded default ({model})")
@@ -206,7 +206,7 @@ def _model_facts(model: str | None, head_size: int | None) -> tuple[dict[str, An
     elif model and os.path.isdir(model):
         cfg = _dir_config(model, notes)
     elif model and model not in ModelRegistry and "/" in model:
-        from ember.config import resolve_model_path  # a hub name: its config, from the cache
+        from ember.model_resolution import resolve_model_path  # a hub name: its config, cached
 
         cfg = _dir_config(resolve_model_path(model, progress=False), notes)
     elif model:
@@ -252,7 +252,7 @@ def explain(model: str | None, device: str | None, dtype: str, head_size: int | 
             backend: str | None) -> tuple[list[str], bool]:
     """Lines saying what would be chosen and why; False when something would fail."""
     from ember.attention_backends.selector import rank_attention_backends
-    from ember.config import resolve_dtype
+    from ember.model_resolution import resolve_dtype
     from ember.platforms import choose_platform
     from ember.registry import ModelRegistry, PlatformRegistry
 

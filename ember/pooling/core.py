@@ -33,7 +33,7 @@ DEFAULT_TOKEN_BUDGET = 16384
 def make_engine_core(args: EngineArgs):
     """The EngineCore for a generating model, a PoolingEngineCore for a pooling one."""
     if args.runner != "generate":
-        from ember.config import resolve_model_config
+        from ember.model_resolution import resolve_model_config
         from ember.platforms import resolve_platform
         from ember.plugins import load_plugins
 
@@ -74,7 +74,7 @@ class PoolingEngineCore:
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
         start = time.perf_counter()
-        from ember.config import resolve_model_config
+        from ember.model_resolution import resolve_model_config
         from ember.platforms import resolve_platform
         from ember.plugins import load_plugins
         from ember.pooling.runner import PoolingRunner

@@ -1,6 +1,6 @@
 """Builds a ready-to-run worker from EngineArgs: everything that happens once, before any step.
 
-In order: plugins and the platform; the model config (ember.config.resolve_model_config); the model
+In order: plugins and the platform; the model config (ember.model_resolution.resolve_model_config); the model
 class (the model registry's own resolution); the attention backend (by declared capability); the
 weights (a loader chosen by format, ember.models.loader.formats); quantization; the activation
 peak measured by the platform; the KV cache sized from what is left; decode graphs where platform
@@ -131,8 +131,8 @@ def build_worker(args: EngineArgs) -> BuiltWorker:
         # directory's config.json needs it; a GGUF file's config does not.)
         import torch  # noqa: F401
 
-        from ember.config import resolve_model_config
         from ember.distributed.parallel_state import agree_min, get_world_size
+        from ember.model_resolution import resolve_model_config
         from ember.platforms import resolve_platform
         from ember.plugins import load_plugins
         from ember.worker.model_runner import ModelRunner, torch_dtype
