@@ -78,6 +78,18 @@ class QuantizationMethod:
     def process_model_after_loading(self, model: nn.Module) -> None:
         """Model-wide work once every tensor is loaded (e.g. a quantized logits head)."""
 
+    # A method whose post-load work is slow can offer it to ember.quantization.snapshot_cache:
+    # ``snapshot_recipe`` describes what that work built (JSON-able; None: nothing to cache on
+    # this device), ``restore_snapshot`` rebuilds those modules around the saved tensors of a
+    # model built but not loaded. The cache then saves and loads every tensor of the model.
+
+    def snapshot_recipe(self, model: nn.Module) -> dict[str, Any] | None:
+        return None
+
+    def restore_snapshot(self, model: nn.Module, recipe: dict[str, Any],
+                         tensors: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
     @property
     def loads_quantized(self) -> bool:
         return type(self).get_linear_method is not QuantizationMethod.get_linear_method
@@ -254,7 +266,7 @@ def finish_loading(model: nn.Module, method: QuantizationMethod | None) -> tuple
     """After every tensor is in: the post-load path's ``quantize_model``, every layer's
     ``process_weights_after_loading``, then the method's model-wide step. Returns (layers
     quantized, weight bytes in memory)."""
-    from ember.layers.linear import Linear, UnquantizedLinearMethod, process_weights_after_loading
+    from ember.layers.linear import process_weights_after_loading
 
     count = 0
     if method is not None and not method.loads_quantized:
@@ -262,9 +274,16 @@ def finish_loading(model: nn.Module, method: QuantizationMethod | None) -> tuple
     process_weights_after_loading(model)
     if method is not None and method.loads_quantized:
         method.process_model_after_loading(model)
-        count = sum(1 for m in model.modules() if isinstance(m, Linear)
-                    and not isinstance(m.quant_method, UnquantizedLinearMethod))
+        count = quantized_layers(model)
     return count, weight_bytes(model)
+
+
+def quantized_layers(model: nn.Module) -> int:
+    """How many Linear layers a checkpoint method computes."""
+    from ember.layers.linear import Linear, UnquantizedLinearMethod
+
+    return sum(1 for m in model.modules() if isinstance(m, Linear)
+               and not isinstance(m.quant_method, UnquantizedLinearMethod))
 
 
 def weight_bytes(model: nn.Module) -> int:

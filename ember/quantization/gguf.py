@@ -73,6 +73,40 @@ class GGUFQuantization(QuantizationMethod):
 
         return keep_quantized()
 
+    def snapshot_recipe(self, model: nn.Module) -> dict[str, Any] | None:
+        """On the CPU, where decoding the blocks and packing the int4 layers is most of a small
+        model's load: each layer's parts (rows, kind, meta, buffer names) and the int8 head."""
+        layers: dict[str, list[list[Any]]] = {}
+        logits = None
+        for name, module in model.named_modules():
+            parts = getattr(module, "gguf_parts", None)
+            if parts is not None:
+                if any(p.kind == "triton" for p in parts):
+                    return None  # the GPU's form: quick to build, and device memory
+                layers[name] = [[p.rows, p.kind, p.meta, [n for n, _ in p.named_buffers()]]
+                                for p in parts]
+            if isinstance(getattr(module, "logits_method", None), Int8Logits):
+                logits = name
+        return {"layers": layers, "logits": logits}
+
+    def restore_snapshot(self, model: nn.Module, recipe: dict[str, Any],
+                         tensors: dict[str, torch.Tensor]) -> None:
+        if _use_triton(next(model.parameters()).device):
+            raise ValueError("this load takes the Triton kernels: the snapshot's CPU forms "
+                             "do not apply")
+        modules = dict(model.named_modules())
+        for name, parts in recipe["layers"].items():
+            layer = modules[name]
+            layer.gguf_parts = nn.ModuleList(
+                _Part(rows, kind, {n: tensors[f"{name}.gguf_parts.{i}.{n}"] for n in names}, meta)
+                for i, (rows, kind, meta, names) in enumerate(parts))
+            layer._gguf_forwards = [p.forward for p in layer.gguf_parts]
+            layer._gguf_shards = {}
+        if recipe["logits"] is not None:
+            prefix = f"{recipe['logits']}.logits_method."
+            modules[recipe["logits"]].logits_method = Int8Logits.from_quantized(
+                tensors[prefix + "qweight"], tensors[prefix + "scale"])
+
 
 # The kernel on the CPU under TRITON_INTERPRET=1 is for its own tests, which set this too: the
 # variable alone does not switch, because a test session sets it for other kernels' tests and
@@ -96,6 +130,15 @@ class Int8Logits(nn.Module):
         self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127)
                              .to(torch.int8).contiguous())
         self.register_buffer("scale", scale.to(torch.bfloat16))
+
+    @classmethod
+    def from_quantized(cls, qweight: torch.Tensor, scale: torch.Tensor) -> Int8Logits:
+        """The head as ``__init__`` made it, from its saved buffers."""
+        head = cls.__new__(cls)
+        nn.Module.__init__(head)
+        head.register_buffer("qweight", qweight)
+        head.register_buffer("scale", scale)
+        return head
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1]).to(torch.bfloat16)

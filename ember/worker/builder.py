@@ -70,7 +70,14 @@ def build_model(args: EngineArgs, platform: Platform, model_config: ModelConfig,
     """The model class from the registry, built with the quantization method's linear layers
     (ember.quantization.base), its weights from the format's loader, then post-processed."""
     from ember.models.loader.formats import load_weights
-    from ember.quantization.base import building_with, finish_loading, prepare_method
+    from ember.quantization import snapshot_cache
+    from ember.quantization.base import (
+        building_with,
+        finish_loading,
+        prepare_method,
+        quantized_layers,
+        weight_bytes,
+    )
     from ember.registry import ModelRegistry
 
     model_cls, arch = ModelRegistry.resolve_model_cls(model_config.architecture)
@@ -78,10 +85,19 @@ def build_model(args: EngineArgs, platform: Platform, model_config: ModelConfig,
     progress = None if args.show_progress else False
     method = prepare_method(model_config.quantization, model_config.path, model_config.hf_config,
                             platform.device_type, dtype)
+    device = platform.device()
     with building_with(method):
-        model = load_weights(model_config, model_cls, attn_backend, dtype, platform.device(),
-                             progress)
-    count, nbytes = finish_loading(model, method)
+        # A single-file checkpoint whose method cached its post-load work (the gguf method on
+        # the CPU) skips reading, decoding and packing: ember.quantization.snapshot_cache.
+        model = snapshot_cache.load(model_config, method, model_cls, attn_backend, dtype, device)
+        restored = model is not None
+        if model is None:
+            model = load_weights(model_config, model_cls, attn_backend, dtype, device, progress)
+    if restored:
+        count, nbytes = quantized_layers(model), weight_bytes(model)
+    else:
+        count, nbytes = finish_loading(model, method)
+        snapshot_cache.save(model_config, method, model, model_cls, dtype, device)
     how = f"{model_config.quantization}, {count} linear layers" if method else "unquantized"
     logger.info("model weights take %.1f MiB (%s)", nbytes / 2**20, how)
     return model

@@ -162,8 +162,6 @@ def load_model(
     ``weights``, when given (e.g. the GGUF loader's iterator), is used instead of the files;
     ``load_format="dummy"`` needs only a config (or a directory holding config.json).
     """
-    import torch
-
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     config, model_dir = _config_and_dir(model_dir_or_config)
@@ -176,14 +174,23 @@ def load_model(
     elif weights is not None:
         skip = beyond_num_layers(config)
         weights = ((name, w) for name, w in weights if not skip(name))
-    with torch.device("meta"):
-        model = arch_cls(config, attn_backend, dtype)
-    model = materialize(model, torch.device(device))
+    model = build_empty(config, arch_cls, attn_backend, dtype, device)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
         model.load_weights(weights)
     return model.eval().requires_grad_(False)
+
+
+def build_empty(config: Any, arch_cls: type[nn.Module], attn_backend: type[AttentionBackend],
+                dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """``arch_cls(config, attn_backend, dtype)`` built on the meta device, then given storage on
+    ``device`` that nothing has written yet: what a loader fills."""
+    import torch
+
+    with torch.device("meta"):
+        model = arch_cls(config, attn_backend, dtype)
+    return materialize(model, torch.device(device))
 
 
 def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

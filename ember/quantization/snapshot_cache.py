@@ -1,0 +1,148 @@
+"""A disk cache of a quantized model as its method's post-load work left it.
+
+On the CPU, most of the default model's weight loading is the gguf method's post-load work:
+decoding the Q4_1 blocks, packing each layer for torch's int4 matmul and building the int8
+logits head (~1 s of a ~3 s start). A method that can describe what that work built
+(``QuantizationMethod.snapshot_recipe``) and rebuild it around saved tensors
+(``restore_snapshot``) gets it saved the first time a single-file checkpoint loads: every tensor
+of the finished model in one safetensors file, plus the recipe, under ``EMBER_CACHE_DIR``
+(ember.envs.cache_dir). Later loads, in any process, build the model empty and take its tensors
+from that file (~0.1-0.3 s).
+
+An entry is keyed by everything that decides what the work produces: the file (path, size,
+mtime), the model class and its resolved config (``hf_overrides`` included), the method, dtype
+and device type, and the torch and ember versions with the CPU's instruction set (torch's int4
+packing is ISA-specific). An entry that cannot be written or read is skipped and the checkpoint
+loads as before: the cache never raises an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+from ember import envs
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from ember.attention_backends.base import AttentionBackend
+    from ember.config import ModelConfig
+    from ember.quantization.base import QuantizationMethod
+
+logger = logging.getLogger("ember")
+FORMAT = 1  # raise when what an entry holds changes meaning
+_RECIPE = "recipe.json"  # written last: a directory without it is incomplete
+_TENSORS = "tensors.safetensors"
+
+
+def entry_dir(cfg: ModelConfig, method: QuantizationMethod, model_cls: type,
+              dtype: torch.dtype, device: torch.device) -> str | None:
+    """The cache directory of this load (which may not exist yet), or None when caching is off
+    or the checkpoint is not one file."""
+    from importlib.metadata import version
+
+    import torch
+
+    root = envs.cache_dir()
+    if root is None or not os.path.isfile(cfg.path):
+        return None
+    st = os.stat(cfg.path)
+    config = json.dumps(vars(cfg.hf_config), sort_keys=True, default=str)
+    key = "|".join(map(str, (
+        FORMAT, os.path.realpath(cfg.path), st.st_size, st.st_mtime_ns,
+        f"{model_cls.__module__}.{model_cls.__qualname__}", config, method.name, dtype,
+        device.type, torch.__version__, version("ember"), torch.backends.cpu.get_cpu_capability(),
+    )))
+    return os.path.join(root, "quantized-models", hashlib.sha256(key.encode()).hexdigest()[:32])
+
+
+def load(cfg: ModelConfig, method: QuantizationMethod | None, model_cls: type[nn.Module],
+         attn_backend: type[AttentionBackend], dtype: torch.dtype,
+         device: torch.device) -> nn.Module | None:  # fmt: skip
+    """The model restored from its cache entry, or None (no method, no entry, or an entry that
+    does not fit). Call it where the model would be built (the method's linear layers)."""
+    if method is None or type(method).snapshot_recipe is _no_recipe():
+        return None
+    directory = entry_dir(cfg, method, model_cls, dtype, device)
+    if directory is None or not os.path.isfile(os.path.join(directory, _RECIPE)):
+        return None
+    try:
+        from safetensors.torch import load_file
+
+        from ember.models.loader import build_empty
+
+        with open(os.path.join(directory, _RECIPE)) as f:
+            recipe = json.load(f)
+        tensors = load_file(os.path.join(directory, _TENSORS), device=str(device))
+        for alias, name in recipe["aliases"].items():  # tied weights: one tensor, two names
+            tensors[alias] = tensors[name]
+        model = build_empty(cfg.hf_config, model_cls, attn_backend, dtype, device)
+        method.restore_snapshot(model, recipe["method"], tensors)
+        model.load_state_dict(tensors, strict=True, assign=True)
+    except Exception as e:  # a damaged or stale entry: load the checkpoint (and overwrite it)
+        logger.debug("quantized model cache entry %s unusable (%s)", directory, e)
+        return None
+    logger.info("model weights from the cache (%s)", directory)
+    return model.eval().requires_grad_(False)
+
+
+def save(cfg: ModelConfig, method: QuantizationMethod | None, model: nn.Module,
+         model_cls: type, dtype: torch.dtype, device: torch.device) -> None:
+    """Save a freshly loaded and processed model for later loads (best effort)."""
+    if method is None:
+        return
+    recipe = method.snapshot_recipe(model)
+    directory = entry_dir(cfg, method, model_cls, dtype, device) if recipe is not None else None
+    if directory is None:
+        return
+    tensors, aliases = _unique_tensors(model.state_dict())
+    parent = os.path.dirname(directory)
+    try:
+        from safetensors.torch import save_file
+
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".staging-", dir=parent)
+        try:
+            save_file(tensors, os.path.join(staging, _TENSORS))
+            with open(os.path.join(staging, _RECIPE), "w") as f:
+                json.dump({"method": recipe, "aliases": aliases,
+                           "checkpoint": os.path.realpath(cfg.path)}, f)
+            if os.path.isdir(directory):  # an unusable entry (no recipe, or it failed to load)
+                shutil.rmtree(directory, ignore_errors=True)
+            os.rename(staging, directory)  # atomic: readers see all of it or nothing
+        except Exception:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    except Exception as e:  # read-only home, full disk, a concurrent writer won the rename
+        logger.debug("quantized model cache not written to %s (%s)", directory, e)
+
+
+def _unique_tensors(state: dict[str, torch.Tensor],
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The state's tensors once each (safetensors refuses two names for one memory), and the
+    names that are another's view of the same values."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in state.items():
+        identity = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                    tuple(t.stride()), t.dtype)
+        if t.numel() and identity in seen:
+            aliases[name] = seen[identity]
+            continue
+        seen.setdefault(identity, name)
+        tensors[name] = t.detach().contiguous()
+    return tensors, aliases
+
+
+def _no_recipe() -> Any:
+    from ember.quantization.base import QuantizationMethod
+
+    return QuantizationMethod.snapshot_recipe
