@@ -82,6 +82,26 @@ def test_other_overrides_get_their_own_entry(loads, tmp_path):
     assert loads == [False, False] and len(_entries(tmp_path)) == 2
 
 
+def test_dummy_weights_and_a_wrong_load_format_are_not_served_from_the_cache(loads, tmp_path):
+    """The cache stands in for reading the file: there is no entry for load_format="dummy"
+    (random weights), and a load_format the file does not hold is refused as without a cache."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ember.default_model import default_model_path
+
+    _run(hf_overrides={"num_hidden_layers": 2})
+    assert loads == [False] and len(_entries(tmp_path)) == 1
+    cfg = SimpleNamespace(load_format="dummy", is_gguf=True, path=default_model_path(),
+                          hf_config=SimpleNamespace())
+    method = gguf_method.GGUFQuantization()
+    assert snapshot_cache.entry_dir(cfg, method, object, torch.float32,
+                                    torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="holds gguf weights"):
+        _run(hf_overrides={"num_hidden_layers": 2}, load_format="safetensors")
+
+
 def test_cache_off_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("EMBER_CACHE_DIR", "off")
     _run(hf_overrides={"num_hidden_layers": 2})

@@ -44,14 +44,17 @@ _TENSORS = "tensors.safetensors"
 
 def entry_dir(cfg: ModelConfig, method: QuantizationMethod, model_cls: type,
               dtype: torch.dtype, device: torch.device) -> str | None:
-    """The cache directory of this load (which may not exist yet), or None when caching is off
-    or the checkpoint is not one file."""
+    """The cache directory of this load (which may not exist yet), or None when caching is off,
+    the checkpoint is not one file or the load is not of its weights (load_format="dummy").
+    ValueError, as the loaders give it, when an explicit load_format does not match the file."""
     from importlib.metadata import version
 
     import torch
 
+    from ember.models.loader.formats import weight_format
+
     root = envs.cache_dir()
-    if root is None or not os.path.isfile(cfg.path):
+    if weight_format(cfg) == "dummy" or root is None or not os.path.isfile(cfg.path):
         return None
     st = os.stat(cfg.path)
     config = json.dumps(vars(cfg.hf_config), sort_keys=True, default=str)
