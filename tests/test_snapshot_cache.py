@@ -133,3 +133,19 @@ def test_tied_tensors_are_saved_once():
     tensors, aliases = snapshot_cache._unique_tensors(state)
     assert aliases == {"head.weight": "embed.weight"}
     assert set(tensors) == {"embed.weight", "norm.weight", "a.weight", "b.weight"}
+
+
+def test_least_recently_used_entries_are_evicted(tmp_path):
+    import time
+
+    parent = tmp_path / "quantized-models"
+    for i, name in enumerate(["old", "used", "new"]):
+        entry = parent / name
+        entry.mkdir(parents=True)
+        (entry / "tensors.safetensors").write_bytes(b"x" * 100)
+        (entry / "recipe.json").write_text("{}")
+        os.utime(entry / "recipe.json", (time.time() - 100 + i, time.time() - 100 + i))
+    os.utime(parent / "used" / "recipe.json")  # a load marked it used just now
+    (parent / ".staging-x").mkdir()  # being written: not an entry
+    snapshot_cache.evict(str(parent), keep=str(parent / "new"), max_bytes=250)
+    assert sorted(os.listdir(parent)) == [".staging-x", "new", "used"]

@@ -13,7 +13,9 @@ An entry is keyed by everything that decides what the work produces: the file (p
 mtime), the model class and its resolved config (``hf_overrides`` included), the method, dtype
 and device type, and the torch and ember versions with the CPU's instruction set (torch's int4
 packing is ISA-specific). An entry that cannot be written or read is skipped and the checkpoint
-loads as before: the cache never raises an error.
+loads as before: the cache never raises an error. The entries together stay under
+``MAX_BYTES``: a save removes the least recently used ones beyond it (a load marks its entry
+used).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ logger = logging.getLogger("ember")
 FORMAT = 1  # raise when what an entry holds changes meaning
 _RECIPE = "recipe.json"  # written last: a directory without it is incomplete
 _TENSORS = "tensors.safetensors"
+MAX_BYTES = 4 * 2**30  # all entries together; the default model's is ~200 MB
 
 
 def entry_dir(cfg: ModelConfig, method: QuantizationMethod, model_cls: type,
@@ -92,6 +95,10 @@ def load(cfg: ModelConfig, method: QuantizationMethod | None, model_cls: type[nn
     except Exception as e:  # a damaged or stale entry: load the checkpoint (and overwrite it)
         logger.debug("quantized model cache entry %s unusable (%s)", directory, e)
         return None
+    try:
+        os.utime(os.path.join(directory, _RECIPE))  # used: the last to be evicted
+    except OSError:
+        pass
     logger.info("model weights from the cache (%s)", directory)
     return model.eval().requires_grad_(False)
 
@@ -125,6 +132,30 @@ def save(cfg: ModelConfig, method: QuantizationMethod | None, model: nn.Module,
             raise
     except Exception as e:  # read-only home, full disk, a concurrent writer won the rename
         logger.debug("quantized model cache not written to %s (%s)", directory, e)
+        return
+    evict(parent, keep=directory)
+
+
+def evict(parent: str, keep: str, max_bytes: int | None = None) -> None:
+    """Remove the least recently used entries under ``parent`` (not ``keep``) until all of
+    them together take at most ``max_bytes`` (MAX_BYTES)."""
+    limit = MAX_BYTES if max_bytes is None else max_bytes
+    entries = []
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        try:
+            used = os.stat(os.path.join(path, _RECIPE)).st_mtime
+            size = sum(os.stat(os.path.join(path, f)).st_size for f in os.listdir(path))
+        except OSError:  # a staging directory being written, or one half removed
+            continue
+        entries.append((used, size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= limit:
+            break
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+            total -= size
 
 
 def _unique_tensors(state: dict[str, torch.Tensor],
