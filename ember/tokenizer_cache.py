@@ -14,11 +14,10 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from typing import TYPE_CHECKING
 
 from ember import envs
+from ember.disk_cache import write_entry
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -67,20 +66,11 @@ def save(gguf_path: str, tokenizer: PreTrainedTokenizerBase) -> None:
     directory = entry_dir(gguf_path)
     if directory is None:
         return
-    parent = os.path.dirname(directory)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".staging-", dir=parent)
-        try:
-            tokenizer.save_pretrained(staging)
-            with open(os.path.join(staging, _MARKER), "w") as f:
-                json.dump({"class": type(tokenizer).__name__, "gguf": os.path.realpath(gguf_path),
-                           "name_or_path": tokenizer.name_or_path}, f)
-            if os.path.isdir(directory):  # an unusable entry (no marker, or it failed to load)
-                shutil.rmtree(directory, ignore_errors=True)
-            os.rename(staging, directory)  # atomic: readers see all of it or nothing
-        except OSError:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    except OSError as e:  # read-only home, full disk, a concurrent writer won the rename
-        logger.debug("tokenizer cache not written to %s (%s)", directory, e)
+
+    def fill(staging: str) -> None:
+        tokenizer.save_pretrained(staging)
+        with open(os.path.join(staging, _MARKER), "w") as f:  # last: the entry is complete
+            json.dump({"class": type(tokenizer).__name__, "gguf": os.path.realpath(gguf_path),
+                       "name_or_path": tokenizer.name_or_path}, f)
+
+    write_entry(directory, fill, "tokenizer cache")

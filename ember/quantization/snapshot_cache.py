@@ -25,10 +25,10 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from typing import TYPE_CHECKING, Any
 
 from ember import envs
+from ember.disk_cache import write_entry
 
 if TYPE_CHECKING:
     import torch
@@ -113,27 +113,17 @@ def save(cfg: ModelConfig, method: QuantizationMethod | None, model: nn.Module,
     if directory is None:
         return
     tensors, aliases = _unique_tensors(model.state_dict())
-    parent = os.path.dirname(directory)
-    try:
+
+    def fill(staging: str) -> None:
         from safetensors.torch import save_file
 
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".staging-", dir=parent)
-        try:
-            save_file(tensors, os.path.join(staging, _TENSORS))
-            with open(os.path.join(staging, _RECIPE), "w") as f:
-                json.dump({"method": recipe, "aliases": aliases,
-                           "checkpoint": os.path.realpath(cfg.path)}, f)
-            if os.path.isdir(directory):  # an unusable entry (no recipe, or it failed to load)
-                shutil.rmtree(directory, ignore_errors=True)
-            os.rename(staging, directory)  # atomic: readers see all of it or nothing
-        except Exception:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    except Exception as e:  # read-only home, full disk, a concurrent writer won the rename
-        logger.debug("quantized model cache not written to %s (%s)", directory, e)
-        return
-    evict(parent, keep=directory)
+        save_file(tensors, os.path.join(staging, _TENSORS))
+        with open(os.path.join(staging, _RECIPE), "w") as f:  # last: the entry is complete
+            json.dump({"method": recipe, "aliases": aliases,
+                       "checkpoint": os.path.realpath(cfg.path)}, f)
+
+    if write_entry(directory, fill, "quantized model cache"):
+        evict(os.path.dirname(directory), keep=directory)
 
 
 def evict(parent: str, keep: str, max_bytes: int | None = None) -> None:
