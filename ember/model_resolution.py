@@ -193,6 +193,10 @@ def resolve_model_config(args: EngineArgs, platform) -> ModelConfig:
     if args.load_format == "gguf" and not is_gguf:
         raise ValueError(f"load_format='gguf' but {path!r} is not a .gguf file")
     quantization = check_quantization(args.quantization, hf_config, path, is_gguf)
+    if args.load_format == "dummy" and quantization == "gguf":
+        raise ValueError("load_format='dummy' cannot fill a .gguf file's quantized layers (the "
+                         "gguf method computes on the file's own blocks); pass "
+                         "quantization='none' for random float weights of its shapes")
     from ember.pooling.config import resolve_runner, st_max_seq_length
 
     runner = resolve_runner(args.runner, arch, args.convert, args.task)

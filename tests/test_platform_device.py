@@ -230,6 +230,25 @@ def test_an_explicit_load_format_reaches_its_loader(tmp_path):
         LLM(path, load_format="safetensors", skip_tokenizer_init=True, max_model_len=64)
 
 
+def test_dummy_weights_for_a_gguf_file_are_float_or_refused(tmp_path):
+    """Random weights cannot be GGUF blocks: load_format="dummy" on a .gguf file is refused by
+    name under the gguf method, and gives random float weights of its shapes with
+    quantization="none"."""
+    from test_gguf import write_gguf
+
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, "qwen2", tied=True)
+    with pytest.raises(ValueError, match="load_format='dummy'.*quantization='none'"):
+        LLM(path, load_format="dummy", skip_tokenizer_init=True, max_model_len=64)
+    llm = LLM(path, load_format="dummy", quantization="none", skip_tokenizer_init=True,
+              max_model_len=64)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                       SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    llm.shutdown()
+
+
 # ---- the device stays in ember/platforms -----------------------------------------------------
 @pytest.mark.parametrize("package", ["worker", "executor"])
 def test_no_worker_or_executor_module_names_a_device_api(package):
