@@ -35,7 +35,8 @@ def loads(tmp_path, monkeypatch):
 
 
 def _run(**kwargs) -> tuple[list[list[int]], dict]:
-    llm = LLM(None, skip_tokenizer_init=True, max_model_len=256, **kwargs)
+    kwargs.setdefault("max_model_len", 256)
+    llm = LLM(None, skip_tokenizer_init=True, **kwargs)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         model = llm.llm_engine.executor.runner.model
@@ -80,6 +81,8 @@ def test_other_overrides_get_their_own_entry(loads, tmp_path):
     _run()
     _run(hf_overrides={"num_hidden_layers": 2})
     assert loads == [False, False] and len(_entries(tmp_path)) == 2
+    _run(max_model_len=128)  # the context limit shapes no weight: the first entry serves
+    assert loads[-1] is True and len(_entries(tmp_path)) == 2
 
 
 def test_dummy_weights_and_a_wrong_load_format_are_not_served_from_the_cache(loads, tmp_path):

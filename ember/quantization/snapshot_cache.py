@@ -60,7 +60,10 @@ def entry_dir(cfg: ModelConfig, method: QuantizationMethod, model_cls: type,
     if weight_format(cfg) == "dummy" or root is None or not os.path.isfile(cfg.path):
         return None
     st = os.stat(cfg.path)
-    config = json.dumps(vars(cfg.hf_config), sort_keys=True, default=str)
+    # The context limit the engine noted on the config shapes no weight (rotary tables are
+    # computed, not saved): loads with another max_model_len share the entry.
+    config = json.dumps({k: v for k, v in vars(cfg.hf_config).items()
+                         if k != "ember_max_model_len"}, sort_keys=True, default=str)
     key = "|".join(map(str, (
         FORMAT, os.path.realpath(cfg.path), st.st_size, st.st_mtime_ns,
         f"{model_cls.__module__}.{model_cls.__qualname__}", config, method.name, dtype,
