@@ -59,8 +59,8 @@ class GrammarMasks:
             return None
         bitmask = grammar.bitmask.numpy()
         device_rows = None
-        if len(row_list) != len(rows) or len(bitmask) != len(rows) or \
-                (mask_rows != np.arange(len(rows))).any():
+        # Row i takes bitmask row i for every row: the bitmask serves as it is.
+        if len(bitmask) != len(rows) or (mask_rows != np.arange(len(rows))).any():
             full = np.full((len(rows), bitmask.shape[1]), -1, dtype=np.int32)
             full[row_list] = bitmask[mask_rows[row_list]]
             bitmask = full
