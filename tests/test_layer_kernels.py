@@ -145,6 +145,59 @@ def test_rotary_inplace_on_fused_qkv_views(dtype, head_size, rotary_dim):
     assert torch.equal(qkv[:, (hq + hk) * head_size :], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [16, 64])
+def test_rotary_inplace_with_per_head_norm(dtype, head_size):
+    # Qwen3: RMSNorm over each head of q and k, then the rotation, in one kernel, in place on
+    # views of the fused qkv output; against the torch ops (norm, then rope.apply).
+    t, hq, hk = 5, 6, 2
+    rope = RotaryEmbedding(head_size, 10000.0)
+    qkv = _randn(t, (hq + 2 * hk) * head_size, dtype=dtype, seed=11, scale=2.0)
+    q = qkv[:, : hq * head_size].view(t, hq, head_size)
+    k = qkv[:, hq * head_size : (hq + hk) * head_size].view(t, hk, head_size)
+    v_before = qkv[:, (hq + hk) * head_size :].clone()
+    q_norm, k_norm = _norm(head_size, dtype, seed=12), _norm(head_size, dtype, seed=13)
+    positions = torch.tensor([0, 1, 5, 17, 250], device=DEV)
+    cos, sin = rope.cos_sin(positions, dtype)
+    want_q = rope.apply(q_norm._forward_torch(q), cos, sin)
+    want_k = rope.apply(k_norm._forward_torch(k), cos, sin)
+
+    rotary_inplace(q, k, cos, sin, head_size, (q_norm.weight, k_norm.weight), q_norm.eps)
+    # The norm's statistics may differ by an ulp (reduction order), so ulp tolerances.
+    _assert_close(q, want_q)
+    _assert_close(k, want_k)
+    assert torch.equal(qkv[:, (hq + hk) * head_size :], v_before)  # v untouched
+
+
+def test_apply_qk_fuses_the_norms_only_where_the_kernel_can(monkeypatch):
+    # The layer hands plain RMSNorms over whole, fully rotated heads to the kernel; partial
+    # rotary keeps the norms as their own kernels. Both give the torch path's result.
+    calls: list[bool] = []
+    real = rotary_inplace
+
+    def spy(q, k, cos, sin, rotary_dim, norm_weights=None, eps=0.0):
+        calls.append(norm_weights is not None)
+        real(q, k, cos, sin, rotary_dim, norm_weights, eps)
+
+    import ember.kernels.rotary as rotary_module
+
+    monkeypatch.setattr(rotary_module, "rotary_inplace", spy)
+    monkeypatch.setattr(dispatch, "takes_kernel", lambda x: x.dtype == torch.float16)
+    for rotary_dim, fused in ((32, True), (16, False)):
+        rope = RotaryEmbedding(32, 10000.0, rotary_dim=rotary_dim)
+        assert rope.use_kernel
+        norms = (_norm(32, torch.float16, seed=14), _norm(32, torch.float16, seed=15))
+        q = _randn(3, 4, 32, dtype=torch.float16, seed=16)
+        k = _randn(3, 2, 32, dtype=torch.float16, seed=17)
+        cos, sin = rope.cos_sin(torch.arange(3, device=DEV), torch.float16)
+        want_q = rope.apply(norms[0]._forward_torch(q), cos, sin)
+        want_k = rope.apply(norms[1]._forward_torch(k), cos, sin)
+        got_q, got_k = rope.apply_qk(q.clone(), k.clone(), cos, sin, norms)
+        assert calls.pop() is fused
+        _assert_close(got_q, want_q)
+        _assert_close(got_k, want_k)
+
+
 def test_rotary_inplace_accepts_2d_cos_sin_and_empty_batch():
     rope = RotaryEmbedding(16, 10000.0)
     q = _randn(3, 4, 16, dtype=torch.float32, seed=8)

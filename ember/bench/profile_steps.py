@@ -7,6 +7,7 @@ bound by the host (wall >> device) or by the device.
 
 Usage: python -m ember.bench.profile_steps --model ember/configs/qwen3-0.6b [--steps 20] [--out F]
 Batch 1 (the single-stream case): add --num-requests 1 --input-len 128 128 --output-len 600 600
+--no-pdl: each kernel's device time without the wait that PDL folds into it.
 """
 
 from __future__ import annotations
@@ -76,8 +77,15 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--input-len", type=int, nargs=2, default=(100, 1024))
     parser.add_argument("--output-len", type=int, nargs=2, default=(100, 1024))
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch without programmatic dependent launch, so each kernel's "
+                             "profiled time is its own (with PDL it includes its wait)")
     parser.add_argument("--out", default=None)
     ns = parser.parse_args()
+    if ns.no_pdl:
+        from ember.kernels import KernelConfig, set_kernel_config
+
+        set_kernel_config(KernelConfig(pdl=False))
 
     engine = LLMEngine(EngineArgs(model=ns.model, load_format="dummy", skip_tokenizer_init=True,
                                   max_model_len=4096, show_progress=False))

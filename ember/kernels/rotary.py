@@ -1,8 +1,12 @@
-"""Rotary position embedding (rotate_half / neox style) of q and k together, in place.
+"""Rotary position embedding (rotate_half / neox style) of q and k together, in place,
+optionally after a per-head RMSNorm of each (Qwen3's q_norm / k_norm).
 
 q and k may be strided views of the fused qkv output; cos/sin are the per-step tables that
 ``RotaryEmbedding.cos_sin`` makes once for all layers. Every intermediate is rounded to the
-half dtype where torch rounds it, so the result is bit-identical to the torch ops.
+half dtype where torch rounds it, so the rotation is bit-identical to the torch ops; the norm
+rounds as ember.kernels.rms_norm does (its statistics may differ from torch's by an ulp). With
+the norm, one kernel does what took three (two norms, then the rotation): a decode step of a
+Qwen3 model launches two kernels fewer per layer.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from ember.kernels.launch import next_power_of_2, pdl_options, warps_for_block
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, cos, sin, offs_d, d_mask, NUM_HEADS: tl.constexpr,
-                  HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
+def _rotate_heads(x_ptr, stride_h, cos, sin, offs_d, d_mask, w_ptr, eps,
+                  NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+                  NORM: tl.constexpr):
     # [heads, rotary_dim / 2] tiles of x1 = x[..., :half] and x2 = x[..., half:rotary_dim].
     # Torch computes x1 * cos - x2 * sin with every op rounded to the half dtype; each product
     # of two half values is exact in float32, so rounding after each op as torch does gives its
@@ -27,6 +32,14 @@ def _rotate_heads(x_ptr, stride_h, cos, sin, offs_d, d_mask, NUM_HEADS: tl.const
     p1 = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        # RMSNorm over each head (rotary_dim == head_size here), rounded as the rms_norm
+        # kernel rounds: cast to the half dtype, then one rounding of weight * that.
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * rstd[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        x2 = (w2 * (x2 * rstd[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
     o1 = (x1 * cos).to(ty).to(tl.float32) - (x2 * sin).to(ty).to(tl.float32)
     o2 = (x2 * cos).to(ty).to(tl.float32) + (x1 * sin).to(ty).to(tl.float32)
     tl.store(p1, o1.to(ty), mask=mask)
@@ -45,12 +58,16 @@ def _rotary_kernel(
     stride_kh,
     stride_cos,
     stride_sin,
+    q_w_ptr,
+    k_w_ptr,
+    eps,
     NUM_Q_HEADS: tl.constexpr,
     NUM_K_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     Q_HEADS_PAD: tl.constexpr,
     K_HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # One program per token rotates all of its q and k heads; dims past rotary_dim are untouched.
@@ -64,20 +81,23 @@ def _rotary_kernel(
     sin = tl.load(sin_ptr + tok * stride_sin + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     cos = cos[None, :]
     sin = sin[None, :]
-    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, cos, sin, offs_d, d_mask,
-                  NUM_Q_HEADS, Q_HEADS_PAD, HALF)
-    _rotate_heads(k_ptr + tok * stride_kt, stride_kh, cos, sin, offs_d, d_mask,
-                  NUM_K_HEADS, K_HEADS_PAD, HALF)
+    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, cos, sin, offs_d, d_mask, q_w_ptr, eps,
+                  NUM_Q_HEADS, Q_HEADS_PAD, HALF, NORM)
+    _rotate_heads(k_ptr + tok * stride_kt, stride_kh, cos, sin, offs_d, d_mask, k_w_ptr, eps,
+                  NUM_K_HEADS, K_HEADS_PAD, HALF, NORM)
 
 
 def rotary_inplace(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 0.0,
 ) -> None:
     """Rotate the first ``rotary_dim`` dims of every head of q and k in place (rotate_half).
 
     q: [T, Hq, D], k: [T, Hk, D], any token/head strides but unit stride along D (e.g. views of
     the fused qkv output). cos/sin: [T, rotary_dim // 2] or [T, 1, rotary_dim // 2] as made by
     ``RotaryEmbedding.cos_sin`` (expected in q's dtype, which is where torch rounds them).
+    ``norm_weights`` = (q_weight, k_weight), each [D]: RMSNorm each head of q and k with them
+    (``eps``) first, as ``rms_norm`` would; it needs ``rotary_dim == D``.
     """
     t, hq, d = q.shape
     tk, hk, dk = k.shape
@@ -88,14 +108,21 @@ def rotary_inplace(
     sin = sin.reshape(sin.shape[0], sin.shape[-1])
     assert cos.shape == (t, half) and sin.shape == (t, half), "cos/sin must be [T, rotary_dim/2]"
     assert cos.stride(-1) == 1 and sin.stride(-1) == 1
+    if norm_weights is not None:
+        assert rotary_dim == d, "the fused per-head norm needs rotary_dim == head_size"
+        q_w, k_w = norm_weights
+        for w in (q_w, k_w):
+            assert w.shape == (d,) and w.stride(0) == 1 and w.dtype == q.dtype
+    else:
+        q_w = k_w = cos  # never read
     if t == 0:
         return
     heads_pad = next_power_of_2(max(hq, hk))
     half_pad = next_power_of_2(half)
     _rotary_kernel[(t,)](
         q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos.stride(0), sin.stride(0),
+        cos.stride(0), sin.stride(0), q_w, k_w, eps,
         NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HALF=half, Q_HEADS_PAD=next_power_of_2(hq),
-        K_HEADS_PAD=next_power_of_2(hk), HALF_PAD=half_pad,
+        K_HEADS_PAD=next_power_of_2(hk), HALF_PAD=half_pad, NORM=norm_weights is not None,
         num_warps=warps_for_block(heads_pad * half_pad), **pdl_options(q),
     )  # fmt: skip

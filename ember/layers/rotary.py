@@ -21,6 +21,7 @@ from torch import nn
 
 from ember import kernels
 from ember.kernels import dispatch
+from ember.layers.norm import RMSNorm
 
 _SUPPORTED = ("default", "linear", "llama3", "longrope")
 
@@ -164,13 +165,22 @@ class RotaryEmbedding(nn.Module):
         return torch.cat(parts, dim=-1)
 
     def apply_qk(
-        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``apply`` to q and k. With the fused kernel they are rotated in place (they may be
-        views of the fused qkv output) and returned; otherwise new tensors are returned."""
+        """``apply`` to q and k, after ``qk_norms`` = (q_norm, k_norm) over each head where
+        given (Qwen3). With the fused kernel they are rotated (and normed) in place (they may
+        be views of the fused qkv output) and returned; otherwise new tensors are returned."""
         if self.use_kernel and dispatch.takes_kernel(q):
-            kernels.rotary.rotary_inplace(q, k, cos, sin, self.rotary_dim)
+            if qk_norms is not None and not self._norm_fuses(q, qk_norms):
+                q, k = qk_norms[0](q), qk_norms[1](k)
+                qk_norms = None
+            weights = None if qk_norms is None else (qk_norms[0].weight, qk_norms[1].weight)
+            eps = 0.0 if qk_norms is None else qk_norms[0].eps
+            kernels.rotary.rotary_inplace(q, k, cos, sin, self.rotary_dim, weights, eps)
             return q, k
+        if qk_norms is not None:
+            q, k = qk_norms[0](q), qk_norms[1](k)
         joint = _adjacent_heads(q, k)
         if joint is not None:
             # One pass over q's and k's heads together: the same arithmetic per element, half
@@ -178,6 +188,15 @@ class RotaryEmbedding(nn.Module):
             rotated = self.apply(joint, cos, sin)
             return rotated[:, : q.shape[1]], rotated[:, q.shape[1] :]
         return self.apply(q, cos, sin), self.apply(k, cos, sin)
+
+    def _norm_fuses(self, q: torch.Tensor, qk_norms: tuple[RMSNorm, RMSNorm]) -> bool:
+        """Whether the rotary kernel can do these norms too: plain RMSNorms over whole heads
+        that all rotate, with one eps and weights in q's dtype."""
+        q_norm, k_norm = qk_norms
+        return (type(q_norm) is RMSNorm and type(k_norm) is RMSNorm
+                and q_norm.eps == k_norm.eps and self.rotary_dim == self.head_size
+                and q_norm.weight.dtype == k_norm.weight.dtype == q.dtype
+                and q_norm.weight.shape == k_norm.weight.shape == (self.head_size,))
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -100,9 +100,8 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
         q = q.view(t, self.num_heads, self.head_size)
         k = k.view(t, self.num_kv_heads, self.head_size)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply_qk(q, k, cos, sin)
+        # Qwen3's per-head norms go with the rotation (on CUDA, one kernel for the three).
+        q, k = rope.apply_qk(q, k, cos, sin, (self.q_norm, self.k_norm) if self.qk_norm else None)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
