@@ -38,6 +38,20 @@ def test_tensors_that_are_not_neighbours_rotate_separately():
     assert torch.equal(jq, rope.apply(q, cos, sin)) and torch.equal(jk, rope.apply(k, cos, sin))
 
 
+def test_separate_allocations_that_touch_are_not_one_view():
+    # Qwen3 normalises q and k into new tensors; CUDA's caching allocator may place k right
+    # after q. One token's heads then look adjacent, but a joint view would overrun q's storage.
+    buf = bytearray(torch.randn(1, 6, 16).numpy().tobytes())
+    q = torch.frombuffer(buf, dtype=torch.float32, count=4 * 16).view(1, 4, 16)
+    k = torch.frombuffer(buf, dtype=torch.float32, offset=4 * 16 * 4, count=2 * 16).view(1, 2, 16)
+    assert k.data_ptr() == q.data_ptr() + q.numel() * 4
+    assert rotary._adjacent_heads(q, k) is None
+    rope = RotaryEmbedding(16, 10000.0)
+    cos, sin = rope.cos_sin(torch.arange(1), torch.float32)
+    jq, jk = rope.apply_qk(q, k, cos, sin)
+    assert torch.equal(jq, rope.apply(q, cos, sin)) and torch.equal(jk, rope.apply(k, cos, sin))
+
+
 def test_float32_rms_norm_is_bit_identical_to_hf_ops():
     from ember.layers.norm import RMSNorm
 

@@ -41,7 +41,8 @@ def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0)
 
 MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 1024), (1024, 2048),
                 (6144, 1024), (1024, 3072), (6144, 4096), (4096, 4096), (28672, 4096),
-                (4096, 14336)]  # (out, in) of the shipped models' projections
+                (4096, 14336), (5120, 2048), (2048, 4096),
+                (128, 2048)]  # (out, in) of the shipped models' projections and routers
 
 
 def _check(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -99,6 +100,7 @@ def test_tuned_rules_pick_the_shipped_tiles():
     assert small_batch_linear_config(4096, 14336) == SmallBatchLinearConfig(32, 512, num_stages=3)
     assert small_batch_linear_config(6144, 4096) == SmallBatchLinearConfig(64, 128, num_stages=6)
     assert small_batch_linear_config(4096, 4096) == SmallBatchLinearConfig(32, 256, num_stages=5)
+    assert small_batch_linear_config(2048, 4096) == SmallBatchLinearConfig(64, 256, 4)
     assert small_batch_linear_config(576, 1536) == SmallBatchLinearConfig(32, 256, 4, 1024)
     assert small_batch_linear_config(576, 576) == SmallBatchLinearConfig(32, 128, l2_prefetch=1024)
     assert small_batch_linear_config(3072, 576) == SmallBatchLinearConfig(32, 256, l2_prefetch=1024)

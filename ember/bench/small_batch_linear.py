@@ -42,6 +42,7 @@ SHAPES = {  # name: (out features N, in features K)
     "smollm2 down": (576, 1536), "qwen3 qkv": (4096, 1024), "qwen3 o": (1024, 2048),
     "qwen3 gate_up": (6144, 1024), "qwen3 down": (1024, 3072), "llama8b qkv": (6144, 4096),
     "llama8b o": (4096, 4096), "llama8b gate_up": (28672, 4096), "llama8b down": (4096, 14336),
+    "qwen3moe qkv": (5120, 2048), "qwen3moe o": (2048, 4096), "qwen3moe router": (128, 2048),
 }
 CONFIGS = [SmallBatchLinearConfig(*c) for c in [
     (16, 128), (16, 256), (32, 128), (32, 256), (64, 128), (16, 512),

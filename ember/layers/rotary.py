@@ -108,6 +108,8 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
         return None
     if k.data_ptr() != q.data_ptr() + q.shape[1] * head_stride * q.element_size():
         return None
+    if q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        return None  # two allocations that happen to touch: the joint view would overrun q's
     if q.shape[0] > 1 and q.stride(0) < (q.shape[1] + k.shape[1]) * head_stride:
         return None  # rows overlap: not two slices of one row
     return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
