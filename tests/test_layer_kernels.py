@@ -25,7 +25,11 @@ pytest.importorskip("triton")
 from ember.kernels import KernelConfig, dispatch, use_kernel_config  # noqa: E402
 from ember.kernels.argmax import argmax_rows  # noqa: E402
 from ember.kernels.launch import merge_counters  # noqa: E402
-from ember.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from ember.kernels.rms_norm import (  # noqa: E402
+    fused_add_rms_norm,
+    fused_add_rms_norm_router,
+    rms_norm,
+)
 from ember.kernels.rotary import rotary_inplace  # noqa: E402
 from ember.kernels.silu_and_mul import silu_and_mul  # noqa: E402
 from ember.layers.activation import SiluAndMul  # noqa: E402
@@ -118,6 +122,27 @@ def test_fused_add_rms_norm(dtype, hidden):
     # Same as the two-step module path in float32 to 1e-5 as well.
     if dtype == torch.float32:
         _assert_close(out, norm._forward_torch(x0 + r0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden,experts", [(1, 64, 16), (3, 96, 12), (2, 576, 40)])
+def test_fused_add_rms_norm_router(dtype, rows, hidden, experts):
+    # The MoE layer's closing add, norm and router GEMV in one kernel: the norm and the sum as
+    # fused_add_rms_norm gives them, the logits as F.linear of that norm (float32 sums).
+    norm = _norm(hidden, dtype)
+    x = _randn(rows, hidden, dtype=dtype, seed=21, scale=2.0)
+    residual = _randn(rows, hidden, dtype=dtype, seed=22, scale=4.0)
+    router = _randn(experts, hidden, dtype=dtype, seed=23, scale=hidden**-0.5)
+    x0, r0 = x.clone(), residual.clone()
+    out, new_residual, logits = fused_add_rms_norm_router(x, residual, norm.weight, norm.eps,
+                                                          router)
+    assert torch.equal(x, x0) and torch.equal(residual, r0)
+    want_out, want_residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(new_residual, want_residual) and torch.equal(out, want_out)
+    assert logits.shape == (rows, experts) and logits.dtype == dtype
+    want = torch.nn.functional.linear(out.float(), router.float())
+    tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(logits.float(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
 # ---- rotary -------------------------------------------------------------------------------------

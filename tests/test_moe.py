@@ -354,6 +354,45 @@ print("ok")
 '''
 
 
+def test_norm_and_router_fuse_at_decode_batch_sizes(monkeypatch):
+    """The layer's closing add + norm + router as one kernel gives the unfused path's result;
+    the block takes it only for the rows the router's small-batch kernel would take."""
+    from ember.kernels import dispatch
+    from ember.kernels import rms_norm as rms_norm_kernels
+    from ember.layers.moe import SparseMoeBlock
+    from ember.layers.norm import RMSNorm
+
+    hidden, experts, inter = 64, 16, 32
+    block = SparseMoeBlock(hidden, experts, 4, inter, True, torch.float16).to(DEV)
+    norm = RMSNorm(hidden, 1e-6, torch.float16).to(DEV)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(experts, hidden, generator=gen) / hidden**0.5)
+        w13, w2 = _experts(experts, hidden, inter, torch.float16, DEV, seed=6)
+        block.experts.w13.copy_(w13)
+        block.experts.w2.copy_(w2)
+        norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    fused_calls = []
+    real = rms_norm_kernels.fused_add_rms_norm_router
+
+    def spy(*args, **kwargs):
+        fused_calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rms_norm_kernels, "fused_add_rms_norm_router", spy)
+    monkeypatch.setattr(dispatch, "takes_kernel", lambda x: x.dtype == torch.float16)
+    for rows in (1, 3, block.gate.small_batch_max_rows + 1):
+        h = torch.randn(rows, hidden, generator=gen).to(DEV, torch.float16)
+        residual = torch.randn(rows, hidden, generator=gen).to(DEV, torch.float16)
+        with torch.no_grad():
+            got, got_residual = block.forward_after_norm(h.clone(), residual, norm)
+            x = rms_norm_kernels.fused_add_rms_norm(h, residual, norm.weight, norm.eps)[0]
+            want = block.experts(x, torch.nn.functional.linear(x, block.gate.weight))
+        assert torch.equal(got_residual, h + residual)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    assert fused_calls == [1, 3]
+
+
 @pytest.mark.slow
 def test_fused_moe_kernels_compile_for_sm90():
     """The GPU-only paths without a GPU: every fused MoE kernel compiles for an H200 (sm90,

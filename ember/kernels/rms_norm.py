@@ -1,6 +1,8 @@
 """RMSNorm as HF computes it (float32 statistics, cast back to the input dtype before the
 weight multiply), optionally with the residual add before it, so a decoder block's closing add
-and the next block's norm are one kernel.
+and the next block's norm are one kernel. ``fused_add_rms_norm_router`` also multiplies the
+normalised rows by a mixture-of-experts router's weight: at decode batch sizes the router is a
+GEMV too small to fill the GPU, so it rides in the norm's kernel instead of a launch of its own.
 
 The residual sum is rounded to the model dtype where torch rounds it (bit-identical); the norm
 itself may differ from torch by an ulp (reduction order, rsqrt). Outputs are new contiguous
@@ -128,3 +130,85 @@ def fused_add_rms_norm(
     out, new_residual = _launch(x, residual, weight, eps)
     assert new_residual is not None
     return out, new_residual
+
+
+@triton.jit
+def _add_rms_norm_router_kernel(
+    x_ptr,
+    res_ptr,
+    norm_w_ptr,
+    router_w_ptr,
+    out_ptr,
+    res_out_ptr,
+    logits_ptr,
+    n_cols,
+    num_experts,
+    eps,
+    BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Grid (expert tiles, rows). Every program normalises its row (a few KB, from L2) and
+    # multiplies it by BLOCK_E router rows; the first expert tile's program also stores the
+    # row's residual sum and normalised row. The router rows are weights (written by no
+    # kernel), so they load before the PDL wait, while the kernel before still runs.
+    pid_e = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_mask = offs_e < num_experts
+    w = tl.load(router_w_ptr + offs_e.to(tl.int64)[:, None] * n_cols + offs[None, :],
+                mask=e_mask[:, None] & mask[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    in_ty = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * n_cols + offs, mask=mask, other=0.0)
+    r = tl.load(res_ptr + row * n_cols + offs, mask=mask, other=0.0)
+    x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)  # as _rms_norm_kernel rounds it
+    h = x.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    nw = tl.load(norm_w_ptr + offs, mask=mask, other=0.0)
+    y = (nw.to(tl.float32) * h.to(in_ty).to(tl.float32)).to(in_ty)
+    if pid_e == 0:
+        tl.store(res_out_ptr + row * n_cols + offs, x, mask=mask)
+        tl.store(out_ptr + row * n_cols + offs, y, mask=mask)
+    logits = tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
+    tl.store(logits_ptr + row * num_experts + offs_e,
+             logits.to(logits_ptr.dtype.element_ty), mask=e_mask)
+
+
+# Router rows per program: 8 x 2048 bf16 is 32 KB, held in registers (eight warps at 2048).
+ROUTER_ROWS_PER_PROGRAM = 8
+
+
+def fused_add_rms_norm_router(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    router_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual, rms_norm(x + residual) @ router_weight.T) in one
+    kernel, the first two as ``fused_add_rms_norm`` gives them; the logits are summed in
+    float32 and rounded to x's dtype, as ``F.linear`` gives them.
+
+    x, residual: [T, hidden], contiguous, one dtype; weight: [hidden]; router_weight:
+    [experts, hidden], contiguous. Neither input is modified; the outputs are new tensors.
+    """
+    t, n = x.shape
+    num_experts = router_weight.shape[0]
+    assert residual.shape == x.shape and residual.dtype == x.dtype
+    assert x.is_contiguous() and residual.is_contiguous() and router_weight.is_contiguous()
+    assert weight.shape == (n,) and weight.stride(0) == 1 and weight.dtype == x.dtype
+    assert router_weight.shape[1] == n
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x)
+    logits = torch.empty(t, num_experts, dtype=x.dtype, device=x.device)
+    if t > 0:
+        block = next_power_of_2(n)
+        grid = (triton.cdiv(num_experts, ROUTER_ROWS_PER_PROGRAM), t)
+        _add_rms_norm_router_kernel[grid](
+            x, residual, weight, router_weight, out, res_out, logits, n, num_experts, eps,
+            BLOCK=block, BLOCK_E=ROUTER_ROWS_PER_PROGRAM,
+            num_warps=warps_for_block(block * ROUTER_ROWS_PER_PROGRAM // 4), **pdl_options(x),
+        )  # fmt: skip
+    return out, res_out, logits

@@ -9,8 +9,9 @@ tensors, ``w13`` [E, 2I, H] (gate rows then up rows, one fused gate_up per exper
 On CUDA (outside torch.compile) the experts run as ember.kernels.fused_moe: tokens sorted by
 expert on the device, two grouped GEMMs over the experts that were hit (a few tokens instead
 take ember.kernels.moe_decode: two weight-streaming kernels, no sort), no host sync, so CUDA
-graphs capture it. Elsewhere the torch path loops over the experts that received tokens, in
-HF's order and with HF's arithmetic, so float32 results equal HF's exactly.
+graphs capture it; at decode batch sizes the router runs inside the norm before the block
+(``forward_after_norm``). Elsewhere the torch path loops over the experts that received
+tokens, in HF's order and with HF's arithmetic, so float32 results equal HF's exactly.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from ember import kernels
 from ember.kernels import dispatch
 from ember.layers.linear import small_batch_max_rows
+from ember.layers.norm import RMSNorm
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -156,3 +158,20 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))
+
+    def forward_after_norm(self, h: torch.Tensor, residual: torch.Tensor,
+                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(this block on norm(h + residual), h + residual): the decoder layer's closing add and
+        norm, then the block. At decode batch sizes on CUDA the add, the norm and the router
+        are one kernel (ember.kernels.rms_norm.fused_add_rms_norm_router)."""
+        if self._router_fuses(h, norm):
+            x, residual, logits = kernels.rms_norm.fused_add_rms_norm_router(
+                h, residual, norm.weight, norm.eps, self.gate.weight)
+            return self.experts(x, logits), residual
+        x, residual = norm.forward_with_residual(h, residual)
+        return self(x), residual
+
+    def _router_fuses(self, h: torch.Tensor, norm: RMSNorm) -> bool:
+        return (norm.use_kernel and type(norm) is RMSNorm and h.dim() == 2
+                and h.shape[0] <= self.gate.small_batch_max_rows and dispatch.takes_kernel(h)
+                and norm.weight.dtype == h.dtype == self.gate.weight.dtype)

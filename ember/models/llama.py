@@ -156,6 +156,9 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.forward_with_residual(h, residual)
         h = self.self_attn(x, rope, cos, sin, ctx)
+        after_norm = getattr(self.mlp, "forward_after_norm", None)
+        if after_norm is not None:  # the block may fuse the norm (the MoE router does)
+            return after_norm(h, residual, self.post_attention_layernorm)
         x, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
         return self.mlp(x), residual
 
