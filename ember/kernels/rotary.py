@@ -15,35 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.launch import next_power_of_2, pdl_options, warps_for_block
+from ember.kernels.launch import compiled_for_gpu, next_power_of_2, pdl_options, warps_for_block
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, cos, sin, offs_d, d_mask, w_ptr, eps,
-                  NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
-                  NORM: tl.constexpr):
-    # [heads, rotary_dim / 2] tiles of x1 = x[..., :half] and x2 = x[..., half:rotary_dim].
-    # Torch computes x1 * cos - x2 * sin with every op rounded to the half dtype; each product
-    # of two half values is exact in float32, so rounding after each op as torch does gives its
-    # results bit for bit.
-    ty = x_ptr.dtype.element_ty
-    offs_h = tl.arange(0, HEADS_PAD)
-    mask = (offs_h[:, None] < NUM_HEADS) & d_mask[None, :]
-    p1 = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        # RMSNorm over each head (rotary_dim == head_size here), rounded as the rms_norm
-        # kernel rounds: cast to the half dtype, then one rounding of weight * that.
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        x1 = (w1 * (x1 * rstd[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
-        x2 = (w2 * (x2 * rstd[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
-    o1 = (x1 * cos).to(ty).to(tl.float32) - (x2 * sin).to(ty).to(tl.float32)
-    o2 = (x2 * cos).to(ty).to(tl.float32) + (x1 * sin).to(ty).to(tl.float32)
-    tl.store(p1, o1.to(ty), mask=mask)
-    tl.store(p1 + HALF, o2.to(ty), mask=mask)
+def _product(a, b, UNFUSED: tl.constexpr):
+    """a * b in float32, rounded on its own (``mul.rn``): the compiler may otherwise fuse it
+    with the add or subtract that follows into one FMA (LLVM narrows the half-dtype round
+    trips to f16 ops and contracts them), which rounds once where torch rounds twice. The
+    interpreter runs no PTX and fuses nothing."""
+    if UNFUSED:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return a * b
 
 
 @triton.jit
@@ -62,29 +46,50 @@ def _rotary_kernel(
     k_w_ptr,
     eps,
     NUM_Q_HEADS: tl.constexpr,
-    NUM_K_HEADS: tl.constexpr,
     HALF: tl.constexpr,
-    Q_HEADS_PAD: tl.constexpr,
-    K_HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
     NORM: tl.constexpr,
+    UNFUSED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # One program per token rotates all of its q and k heads; dims past rotary_dim are untouched.
+    # Grid (token, q heads then k heads): one program per head, so a decode step's few tokens
+    # still spread over many SMs and each program is one short chain (load, norm, rotate,
+    # store). Dims past rotary_dim are untouched.
     if PDL:  # see ember.kernels.launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, HALF_PAD)
-    d_mask = offs_d < HALF
-    cos = tl.load(cos_ptr + tok * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + tok * stride_sin + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    cos = cos[None, :]
-    sin = sin[None, :]
-    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, cos, sin, offs_d, d_mask, q_w_ptr, eps,
-                  NUM_Q_HEADS, Q_HEADS_PAD, HALF, NORM)
-    _rotate_heads(k_ptr + tok * stride_kt, stride_kh, cos, sin, offs_d, d_mask, k_w_ptr, eps,
-                  NUM_K_HEADS, K_HEADS_PAD, HALF, NORM)
+    head = tl.program_id(1)
+    if head < NUM_Q_HEADS:
+        x_ptr = q_ptr + tok * stride_qt + head * stride_qh
+        w_ptr = q_w_ptr
+    else:
+        x_ptr = k_ptr + tok * stride_kt + (head - NUM_Q_HEADS) * stride_kh
+        w_ptr = k_w_ptr
+    ty = q_ptr.dtype.element_ty
+    offs = tl.arange(0, HALF_PAD)
+    mask = offs < HALF
+    cos = tl.load(cos_ptr + tok * stride_cos + offs, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + tok * stride_sin + offs, mask=mask, other=0.0).to(tl.float32)
+    # x1 = x[:half], x2 = x[half:rotary_dim]. Torch computes x1 * cos - x2 * sin with every op
+    # rounded to the half dtype; each product of two half values is exact in float32, so
+    # rounding after each op as torch does gives its results bit for bit.
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        # RMSNorm over the head (rotary_dim == head_size here), rounded as the rms_norm
+        # kernel rounds: cast to the half dtype, then one rounding of weight * that.
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * rstd).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    o1 = (_product(x1, cos, UNFUSED).to(ty).to(tl.float32)
+          - _product(x2, sin, UNFUSED).to(ty).to(tl.float32))
+    o2 = (_product(x2, cos, UNFUSED).to(ty).to(tl.float32)
+          + _product(x1, sin, UNFUSED).to(ty).to(tl.float32))
+    tl.store(x_ptr + offs, o1.to(ty), mask=mask)
+    tl.store(x_ptr + HALF + offs, o2.to(ty), mask=mask)
 
 
 def rotary_inplace(
@@ -117,12 +122,10 @@ def rotary_inplace(
         q_w = k_w = cos  # never read
     if t == 0:
         return
-    heads_pad = next_power_of_2(max(hq, hk))
     half_pad = next_power_of_2(half)
-    _rotary_kernel[(t,)](
+    _rotary_kernel[(t, hq + hk)](
         q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos.stride(0), sin.stride(0), q_w, k_w, eps,
-        NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HALF=half, Q_HEADS_PAD=next_power_of_2(hq),
-        K_HEADS_PAD=next_power_of_2(hk), HALF_PAD=half_pad, NORM=norm_weights is not None,
-        num_warps=warps_for_block(heads_pad * half_pad), **pdl_options(q),
+        NUM_Q_HEADS=hq, HALF=half, HALF_PAD=half_pad, NORM=norm_weights is not None,
+        UNFUSED=compiled_for_gpu(q), num_warps=warps_for_block(half_pad), **pdl_options(q),
     )  # fmt: skip
