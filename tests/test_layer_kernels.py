@@ -150,7 +150,8 @@ def test_fused_add_rms_norm_router(dtype, rows, hidden, experts):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size,rotary_dim", [(16, 16), (32, 24), (64, 32)])
-def test_rotary_inplace_on_fused_qkv_views(dtype, head_size, rotary_dim):
+@pytest.mark.parametrize("heads", [1, 4])  # per program; 4: the last of 8 heads' programs full
+def test_rotary_inplace_on_fused_qkv_views(dtype, head_size, rotary_dim, heads):
     t, hq, hk = 5, 6, 2
     rope = RotaryEmbedding(head_size, 10000.0, rotary_dim=rotary_dim)
     qkv = _randn(t, (hq + 2 * hk) * head_size, dtype=dtype, seed=7, scale=2.0)
@@ -161,7 +162,7 @@ def test_rotary_inplace_on_fused_qkv_views(dtype, head_size, rotary_dim):
     cos, sin = rope.cos_sin(positions, dtype)
     want_q, want_k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
 
-    rotary_inplace(q, k, cos, sin, rotary_dim)
+    rotary_inplace(q, k, cos, sin, rotary_dim, heads=heads)
     if _bit_exact(dtype):
         assert torch.equal(q, want_q) and torch.equal(k, want_k)
     else:
@@ -171,11 +172,11 @@ def test_rotary_inplace_on_fused_qkv_views(dtype, head_size, rotary_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_size", [16, 64])
-def test_rotary_inplace_with_per_head_norm(dtype, head_size):
+@pytest.mark.parametrize("head_size,heads", [(16, 1), (16, 2), (64, 8)])
+def test_rotary_inplace_with_per_head_norm(dtype, head_size, heads):
     # Qwen3: RMSNorm over each head of q and k, then the rotation, in one kernel, in place on
     # views of the fused qkv output; against the torch ops (norm, then rope.apply).
-    t, hq, hk = 5, 6, 2
+    t, hq, hk = 5, 5, 2  # 7 heads: programs of 2 and 8 heads are partly empty
     rope = RotaryEmbedding(head_size, 10000.0)
     qkv = _randn(t, (hq + 2 * hk) * head_size, dtype=dtype, seed=11, scale=2.0)
     q = qkv[:, : hq * head_size].view(t, hq, head_size)
@@ -187,7 +188,9 @@ def test_rotary_inplace_with_per_head_norm(dtype, head_size):
     want_q = rope.apply(q_norm._forward_torch(q), cos, sin)
     want_k = rope.apply(k_norm._forward_torch(k), cos, sin)
 
-    rotary_inplace(q, k, cos, sin, head_size, (q_norm.weight, k_norm.weight), q_norm.eps)
+    # heads per program: 1, 2, 8 (one program a token)
+    rotary_inplace(q, k, cos, sin, head_size, (q_norm.weight, k_norm.weight), q_norm.eps,
+                   heads=heads)
     # The norm's statistics may differ by an ulp (reduction order), so ulp tolerances.
     _assert_close(q, want_q)
     _assert_close(k, want_k)
@@ -221,6 +224,15 @@ def test_apply_qk_fuses_the_norms_only_where_the_kernel_can(monkeypatch):
         assert calls.pop() is fused
         _assert_close(got_q, want_q)
         _assert_close(got_k, want_k)
+
+
+def test_heads_per_program_fill_the_gpu_then_grow():
+    from ember.kernels.rotary import heads_per_program
+
+    assert heads_per_program(1, 36, 132) == 1  # a decode step: one head a program
+    assert heads_per_program(256, 40, 132) == 16
+    assert heads_per_program(8192, 40, 132) == 64  # prefill: one program a token
+    assert heads_per_program(3, 12, 4) == 2
 
 
 def test_rotary_inplace_accepts_2d_cos_sin_and_empty_batch():

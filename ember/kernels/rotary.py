@@ -15,7 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.launch import compiled_for_gpu, next_power_of_2, pdl_options, warps_for_block
+from ember.kernels.launch import (
+    cdiv,
+    compiled_for_gpu,
+    next_power_of_2,
+    num_sms,
+    pdl_options,
+    warps_for_block,
+)
 
 
 @triton.jit
@@ -46,55 +53,73 @@ def _rotary_kernel(
     k_w_ptr,
     eps,
     NUM_Q_HEADS: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEADS: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     NORM: tl.constexpr,
     UNFUSED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Grid (token, q heads then k heads): one program per head, so a decode step's few tokens
-    # still spread over many SMs and each program is one short chain (load, norm, rotate,
-    # store). Dims past rotary_dim are untouched.
+    # Grid (token, groups of HEADS heads of q's then k's): a decode step's few tokens take one
+    # head a program, so they spread over many SMs, each program one short chain (load, norm,
+    # rotate, store); many tokens take many heads a program. Dims past rotary_dim are untouched.
     if PDL:  # see ember.kernels.launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    if head < NUM_Q_HEADS:
-        x_ptr = q_ptr + tok * stride_qt + head * stride_qh
-        w_ptr = q_w_ptr
-    else:
-        x_ptr = k_ptr + tok * stride_kt + (head - NUM_Q_HEADS) * stride_kh
-        w_ptr = k_w_ptr
+    head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    is_q = head < NUM_Q_HEADS
+    rows = tl.where(is_q, q_ptr + tok * stride_qt + head * stride_qh,
+                    k_ptr + tok * stride_kt + (head - NUM_Q_HEADS) * stride_kh)[:, None]
     ty = q_ptr.dtype.element_ty
     offs = tl.arange(0, HALF_PAD)
-    mask = offs < HALF
-    cos = tl.load(cos_ptr + tok * stride_cos + offs, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + tok * stride_sin + offs, mask=mask, other=0.0).to(tl.float32)
-    # x1 = x[:half], x2 = x[half:rotary_dim]. Torch computes x1 * cos - x2 * sin with every op
-    # rounded to the half dtype; each product of two half values is exact in float32, so
-    # rounding after each op as torch does gives its results bit for bit.
-    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    d_mask = offs < HALF
+    mask = (head < NUM_HEADS)[:, None] & d_mask[None, :]
+    cos = tl.load(cos_ptr + tok * stride_cos + offs, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + tok * stride_sin + offs, mask=d_mask, other=0.0).to(tl.float32)
+    cos = cos[None, :]
+    sin = sin[None, :]
+    # [HEADS, half] tiles of x1 = x[:half] and x2 = x[half:rotary_dim]. Torch computes
+    # x1 * cos - x2 * sin with every op rounded to the half dtype; each product of two half
+    # values is exact in float32, so rounding after each op as torch does gives its results
+    # bit for bit.
+    x1 = tl.load(rows + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(rows + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     if NORM:
-        # RMSNorm over the head (rotary_dim == head_size here), rounded as the rms_norm
+        # RMSNorm over each head (rotary_dim == head_size here), rounded as the rms_norm
         # kernel rounds: cast to the half dtype, then one rounding of weight * that.
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        x1 = (w1 * (x1 * rstd).to(ty).to(tl.float32)).to(ty).to(tl.float32)
-        x2 = (w2 * (x2 * rstd).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        w_rows = tl.where(is_q, q_w_ptr, k_w_ptr)[:, None]
+        w1 = tl.load(w_rows + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_rows + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * rstd[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        x2 = (w2 * (x2 * rstd[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
     o1 = (_product(x1, cos, UNFUSED).to(ty).to(tl.float32)
           - _product(x2, sin, UNFUSED).to(ty).to(tl.float32))
     o2 = (_product(x2, cos, UNFUSED).to(ty).to(tl.float32)
           + _product(x1, sin, UNFUSED).to(ty).to(tl.float32))
-    tl.store(x_ptr + offs, o1.to(ty), mask=mask)
-    tl.store(x_ptr + HALF + offs, o2.to(ty), mask=mask)
+    tl.store(rows + offs[None, :], o1.to(ty), mask=mask)
+    tl.store(rows + HALF + offs[None, :], o2.to(ty), mask=mask)
+
+
+# Programs per SM a launch aims for before it gives a program more than one head.
+_PROGRAMS_PER_SM = 8
+
+
+def heads_per_program(tokens: int, num_heads: int, sms: int) -> int:
+    """One head a program while tokens x heads programs would not fill the GPU about
+    _PROGRAMS_PER_SM deep; beyond that, powers of two up to every head (one program a token)."""
+    heads = 1
+    while heads < num_heads and tokens * cdiv(num_heads, heads) > _PROGRAMS_PER_SM * sms:
+        heads *= 2
+    return min(heads, next_power_of_2(num_heads))
 
 
 def rotary_inplace(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = 0.0,
+    heads: int | None = None,
 ) -> None:
     """Rotate the first ``rotary_dim`` dims of every head of q and k in place (rotate_half).
 
@@ -102,7 +127,8 @@ def rotary_inplace(
     the fused qkv output). cos/sin: [T, rotary_dim // 2] or [T, 1, rotary_dim // 2] as made by
     ``RotaryEmbedding.cos_sin`` (expected in q's dtype, which is where torch rounds them).
     ``norm_weights`` = (q_weight, k_weight), each [D]: RMSNorm each head of q and k with them
-    (``eps``) first, as ``rms_norm`` would; it needs ``rotary_dim == D``.
+    (``eps``) first, as ``rms_norm`` would; it needs ``rotary_dim == D``. ``heads``: heads per
+    program, a power of two (default: ``heads_per_program`` for the device).
     """
     t, hq, d = q.shape
     tk, hk, dk = k.shape
@@ -123,9 +149,12 @@ def rotary_inplace(
     if t == 0:
         return
     half_pad = next_power_of_2(half)
-    _rotary_kernel[(t, hq + hk)](
+    if heads is None:
+        heads = heads_per_program(t, hq + hk, num_sms(q.device))
+    _rotary_kernel[(t, cdiv(hq + hk, heads))](
         q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos.stride(0), sin.stride(0), q_w, k_w, eps,
-        NUM_Q_HEADS=hq, HALF=half, HALF_PAD=half_pad, NORM=norm_weights is not None,
-        UNFUSED=compiled_for_gpu(q), num_warps=warps_for_block(half_pad), **pdl_options(q),
+        NUM_Q_HEADS=hq, NUM_HEADS=hq + hk, HEADS=heads, HALF=half, HALF_PAD=half_pad,
+        NORM=norm_weights is not None, UNFUSED=compiled_for_gpu(q),
+        num_warps=warps_for_block(heads * half_pad), **pdl_options(q),
     )  # fmt: skip
