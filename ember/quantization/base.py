@@ -91,6 +91,11 @@ class QuantizationMethod:
         raise NotImplementedError
 
     @property
+    def offers_snapshots(self) -> bool:
+        """Whether this method overrides ``snapshot_recipe`` (the cache skips the others)."""
+        return type(self).snapshot_recipe is not QuantizationMethod.snapshot_recipe
+
+    @property
     def loads_quantized(self) -> bool:
         return type(self).get_linear_method is not QuantizationMethod.get_linear_method
 

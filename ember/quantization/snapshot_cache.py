@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import shutil
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ember import envs
 from ember.disk_cache import write_entry
@@ -77,7 +77,7 @@ def load(cfg: ModelConfig, method: QuantizationMethod | None, model_cls: type[nn
          device: torch.device) -> nn.Module | None:  # fmt: skip
     """The model restored from its cache entry, or None (no method, no entry, or an entry that
     does not fit). Call it where the model would be built (the method's linear layers)."""
-    if method is None or type(method).snapshot_recipe is _no_recipe():
+    if method is None or not method.offers_snapshots:
         return None
     directory = entry_dir(cfg, method, model_cls, dtype, device)
     if directory is None or not os.path.isfile(os.path.join(directory, _RECIPE)):
@@ -167,9 +167,3 @@ def _unique_tensors(state: dict[str, torch.Tensor],
         seen.setdefault(identity, name)
         tensors[name] = t.detach().contiguous()
     return tensors, aliases
-
-
-def _no_recipe() -> Any:
-    from ember.quantization.base import QuantizationMethod
-
-    return QuantizationMethod.snapshot_recipe
