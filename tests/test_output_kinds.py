@@ -81,7 +81,11 @@ def _by_request(outputs) -> dict[str, list]:
     return grouped
 
 
-def _check_kinds(cumulative: dict, delta: dict, final: dict, stop: str) -> None:
+def _check_kinds(cumulative: dict, delta: dict, final: dict, stop: str,
+                 one_token_per_delta: bool = True) -> None:
+    """``one_token_per_delta``: each DELTA output carries one new token. AsyncLLM joins the
+    deltas that queue up while its consumer is busy (as vLLM's output collector does), so
+    there it depends on timing and is not checked."""
     for request_id, outs in cumulative.items():
         reference = final_by_index(outs[-1])
         assert outs[-1].finished
@@ -92,7 +96,8 @@ def _check_kinds(cumulative: dict, delta: dict, final: dict, stop: str) -> None:
         # DELTA: the pieces concatenate to the cumulative result; no piece repeats old text.
         assert join_deltas(delta[request_id]) == reference, request_id
         assert delta[request_id][-1].finished
-        assert max(len(c.token_ids) for o in delta[request_id] for c in o.outputs) == 1
+        if one_token_per_delta:
+            assert max(len(c.token_ids) for o in delta[request_id] for c in o.outputs) == 1
         if request_id != "n2_incl":
             assert all(stop not in c.text for o in delta[request_id] for c in o.outputs)
         # FINAL_ONLY: one output, the final one.
@@ -125,7 +130,8 @@ def test_async_output_kinds_agree(async_engine):
     for kind in KINDS:
         runs[kind] = {rid: collect_async(async_engine, prompt, params, f"{kind.name}-{rid}")
                       for rid, prompt, params in _requests(stop, kind)}
-    _check_kinds(runs[KINDS.CUMULATIVE], runs[KINDS.DELTA], runs[KINDS.FINAL_ONLY], stop)
+    _check_kinds(runs[KINDS.CUMULATIVE], runs[KINDS.DELTA], runs[KINDS.FINAL_ONLY], stop,
+                 one_token_per_delta=False)
     import asyncio
 
     asyncio.run(assert_all_blocks_free_async(async_engine))
