@@ -19,6 +19,7 @@ from ember.layers.sampler import Sampler, greedy_argmax
 from ember.logits_processors.interface import ProcessorContext
 from ember.logits_processors.pipeline import LogitsProcessorSet
 from ember.worker.grammar_mask import GrammarMasks
+from ember.worker.host_memory import lazily_zeroed_tensor
 from ember.worker.in_flight import InFlightStep
 from ember.worker.input_batch import (
     BlockTableRows,
@@ -51,17 +52,6 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
                          f"(the {platform.name} device here has none; on CUDA, compute "
                          "capability 8.9 or newer)")
     return torch.float8_e4m3fn
-
-
-def _lazily_zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros in host memory that cost nothing until written: numpy's zeros come from calloc,
-    whose large blocks are fresh (already zero) pages from the OS, where torch.zeros writes
-    every byte (seconds for a 4 GiB CPU KV cache, most of it never used by a short run).
-    64-byte aligned, as torch's own CPU allocations are."""
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
-    offset = -raw.data_ptr() % 64
-    return raw[offset : offset + nbytes].view(dtype).view(shape)
 
 
 def _uses_penalties(params) -> bool:
@@ -139,7 +129,7 @@ class ModelRunner:
         num_layers, kv_heads, head_size = self.kv_geometry()
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, kv_heads, head_size)
         if self.platform.device_is_host():
-            self.kv_caches = [_lazily_zeroed_host_tensor(shape, self.kv_dtype)
+            self.kv_caches = [lazily_zeroed_tensor(shape, self.kv_dtype)
                               for _ in range(num_layers)]
             return
         self.kv_caches = [
