@@ -19,6 +19,17 @@ from ember.kernels.launch import next_power_of_2, pdl_options, warps_for_block
 
 
 @triton.jit
+def _normalized(x, w, n_cols, eps):
+    """HF's RMSNorm of the row ``x`` (in its half dtype) with weight ``w``, in float32 for the
+    caller to round once: float32 statistics, then weight * h.to(input dtype). The cast comes
+    first; the product of two half values is exact in float32, so one rounding to the output
+    dtype equals torch's half multiply."""
+    h = x.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    return w.to(tl.float32) * h.to(x.dtype).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,
@@ -54,13 +65,7 @@ def _rms_norm_kernel(
         # Added in float32 and rounded once to the model dtype: what torch's half add does.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
         tl.store(res_out_ptr + a * stride_oa + b * stride_ob + offs, x, mask=mask)
-    h = x.to(tl.float32)
-    var = tl.sum(h * h, axis=0) / n_cols
-    h = h * tl.rsqrt(var + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    # HF: weight * h.to(input_dtype). The cast comes first; the product of two half values is
-    # exact in float32, so one rounding to the output dtype equals torch's half multiply.
-    y = w.to(tl.float32) * h.to(in_ty).to(tl.float32)
+    y = _normalized(x, tl.load(w_ptr + offs, mask=mask, other=0.0), n_cols, eps)
     tl.store(out_ptr + a * stride_oa + b * stride_ob + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -167,10 +172,7 @@ def _add_rms_norm_router_kernel(
     x = tl.load(x_ptr + row * n_cols + offs, mask=mask, other=0.0)
     r = tl.load(res_ptr + row * n_cols + offs, mask=mask, other=0.0)
     x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)  # as _rms_norm_kernel rounds it
-    h = x.to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-    nw = tl.load(norm_w_ptr + offs, mask=mask, other=0.0)
-    y = (nw.to(tl.float32) * h.to(in_ty).to(tl.float32)).to(in_ty)
+    y = _normalized(x, tl.load(norm_w_ptr + offs, mask=mask, other=0.0), n_cols, eps).to(in_ty)
     if pid_e == 0:
         tl.store(res_out_ptr + row * n_cols + offs, x, mask=mask)
         tl.store(out_ptr + row * n_cols + offs, y, mask=mask)

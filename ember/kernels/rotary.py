@@ -113,7 +113,7 @@ def heads_per_program(tokens: int, num_heads: int, sms: int) -> int:
     heads = 1
     while heads < num_heads and tokens * cdiv(num_heads, heads) > _PROGRAMS_PER_SM * sms:
         heads *= 2
-    return min(heads, next_power_of_2(num_heads))
+    return heads
 
 
 def rotary_inplace(

@@ -14,6 +14,7 @@ run reaches fresh cache. Small pages fault in microseconds.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -22,10 +23,7 @@ import torch
 def lazily_zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled, page-aligned host tensor whose pages are provided on first write; the
     mapping is released with the tensor."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = itemsize
-    for size in shape:
-        nbytes *= size
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
