@@ -178,6 +178,39 @@ def test_graph_runner_captures_and_replays_through_the_platform():
     assert graphs.slot_mapping[3].item() == -1  # the padding row writes no KV
 
 
+def test_graph_capture_runs_with_the_garbage_collector_off():
+    """A collection during capture could run finalizers that make device calls (freeing pinned
+    memory, say), which invalidate a CUDA capture: the collector is off while graphs are
+    captured, garbage made before is collected first, and the collector's state is restored."""
+    import gc
+    import weakref
+
+    states: list[bool] = []
+
+    class Watching(ReplayingCpu):
+        def capture_graph(self, run, pool):
+            states.append(gc.isenabled())
+            return super().capture_graph(run, pool)
+
+    class Cycle:
+        pass
+
+    garbage = Cycle()
+    garbage.me = garbage
+    collected = weakref.ref(garbage)
+    del garbage
+    graphs = _graph_runner(Watching())
+    assert gc.isenabled()
+    graphs.capture()
+    assert states == [False, False, False] and gc.isenabled() and collected() is None
+    gc.disable()
+    try:  # a caller that had it off keeps it off
+        graphs.capture()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_backends_without_a_replay_hook_are_not_asked():
     from ember.attention_backends.sdpa import SdpaBackend
     from ember.worker.graph_runner import _overrides_replay_hook

@@ -12,8 +12,11 @@ prepare_for_replay hook sees each replayed step's metadata before the graph runs
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +28,23 @@ if TYPE_CHECKING:
     from ember.platforms.base import Graph
 
 logger = logging.getLogger("ember")
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while graphs are captured, after one collection.
+
+    A collection during capture runs the finalizers of whatever it frees (an engine shut down
+    earlier in the process, say), and a device call they make on the capturing stream's
+    behalf, such as freeing pinned memory, invalidates the capture."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -90,15 +110,16 @@ class GraphRunner:
         start = time.perf_counter()
         self.seq_lens.fill_(1)  # capture-time values: every row reads one (junk) key
         pool = platform.graph_memory_pool()
-        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            metadata = self._metadata(bs, max_len, [1] * bs, bs)
-            ctx = ForwardContext(attn_metadata=metadata, kv_caches=runner.kv_caches)
-            args = (self.input_ids[:bs], self.positions[:bs], ctx)
-            runner.model(*args)  # warm-up: compiles kernels, fills lazy caches
-            platform.synchronize()
-            self.graphs[bs], self.outputs[bs] = platform.capture_graph(
-                lambda args=args: runner.model(*args), pool
-            )
+        with _collector_paused():
+            for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+                metadata = self._metadata(bs, max_len, [1] * bs, bs)
+                ctx = ForwardContext(attn_metadata=metadata, kv_caches=runner.kv_caches)
+                args = (self.input_ids[:bs], self.positions[:bs], ctx)
+                runner.model(*args)  # warm-up: compiles kernels, fills lazy caches
+                platform.synchronize()
+                self.graphs[bs], self.outputs[bs] = platform.capture_graph(
+                    lambda args=args: runner.model(*args), pool
+                )
         platform.synchronize()
         self.seq_lens.zero_()
         self.capture_seconds = time.perf_counter() - start
