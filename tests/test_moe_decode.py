@@ -271,6 +271,7 @@ def test_gpu_decode_in_cuda_graph_equals_eager(fuse):
 
 
 _SM90_SCRIPT = r'''
+import re
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -286,6 +287,12 @@ def compile_ptx(kernel, sig, consts, opts, odd=()):
                     constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
+def streams_16_bytes(ptx, stages):
+    # Straight into registers, or (pipelined) copied asynchronously into shared memory.
+    if stages > 1:
+        return re.search(r"cp\.async\.cg\.shared\.global [^;]*, 0x10", ptx) is not None
+    return "ld.global.v4" in ptx
+
 B, I, F = "*bf16", "*i32", "*fp32"
 up = dict(x_ptr=B, w_ptr=B, out_ptr=B, ids_ptr=I, weights_ptr=F, logits_ptr=B, H="i32",
           INTER="i32", E="i32", stride_x="i32", stride_we="i32", stride_wn="i32",
@@ -300,14 +307,15 @@ for e, k in ((128, 8), (8, 2)):  # Qwen3-30B-A3B, Mixtral
     for fuse in (True, False):
         ptx = compile_ptx(md._up_kernel, up, dict(
             K_TOP=k, FUSE_ROUTE=fuse, RENORMALIZE=True, BLOCK_E=block_e,
-            CHUNK_E=4096 // block_e, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=True),
-            opts, odd=("E",))
+            CHUNK_E=4096 // block_e, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            STAGES=cfg.up_stages, PDL=True), opts, odd=("E",))
         # Weights stream in 16-byte loads, or decode would not reach the bandwidth.
-        assert "ld.global.v4" in ptx, ("up", e, k, fuse)
+        assert streams_16_bytes(ptx, cfg.up_stages), ("up", e, k, fuse)
     ptx = compile_ptx(md._down_kernel, down, dict(
         K_TOP=k, K_PAD=md._k_pad(k), ROUND_WEIGHT=True, STATS=True, BLOCK_E=block_e,
-        BLOCK_H=cfg.block_h, BLOCK_I=cfg.block_i, PDL=True), opts, odd=("N", "E"))
-    assert "ld.global.v4" in ptx, ("down", e, k)
+        BLOCK_H=cfg.block_h, BLOCK_I=cfg.block_i, STAGES=cfg.down_stages, PDL=True), opts,
+        odd=("N", "E"))
+    assert streams_16_bytes(ptx, cfg.down_stages), ("down", e, k)
 print("ok")
 '''
 

@@ -133,13 +133,20 @@ def kernel_sweep(cfg: Any, model_cls: type, ns) -> list[dict]:
     }
     decode = md.decode_config(k, e, torch.bfloat16, True)
     route_kernel = replace(decode, fuse_route=False)
-    # Up tiles narrower / wider, shorter steps, 8 warps; down tiles half / twice as tall.
+    # Up tiles narrower / wider, shorter steps, 8 warps; down tiles half / twice as tall; each
+    # loop with 1-4 steps in flight.
     decode_candidates = [route_kernel, replace(decode, block_n=8), replace(decode, block_n=32),
                          replace(decode, block_k=decode.block_k // 2),
                          replace(decode, block_h=decode.block_h // 2),
                          replace(decode, block_h=decode.block_h * 2,
                                  block_i=decode.block_i // 2),
                          replace(decode, num_warps=8)]
+    for up, down in ((1, 1), (2, 2), (3, 3), (1, 3), (3, 1), (4, 4)):
+        staged = replace(decode, up_stages=up, down_stages=down)
+        decode_candidates += [staged, replace(staged, block_k=decode.block_k // 2),
+                              replace(staged, block_n=decode.block_n // 2),
+                              replace(staged, block_h=decode.block_h * 2,
+                                      block_i=decode.block_i // 2)]
     rows = []
     for tokens in ns.kernel_tokens:
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
@@ -165,7 +172,8 @@ def kernel_sweep(cfg: Any, model_cls: type, ns) -> list[dict]:
         row = {"tokens": tokens, "experts_hit": hit, "path": "decode" if on_decode else "sorted",
                "default_us": results[str(default)],
                "default_fraction": fraction[str(default)],
-               "best_us": results[best], "best": best, "best_fraction": fraction[best]}
+               "best_us": results[best], "best": best, "best_fraction": fraction[best],
+               "all_us": results}
         if small:
             for name, c in (("sorted", sorted_default), ("decode", decode),
                             ("decode_route_kernel", route_kernel)):
