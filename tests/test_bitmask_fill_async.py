@@ -1,17 +1,21 @@
 """The engine core fills a step's grammar bitmask on a helper thread (fill_async) while its
 own thread goes on: the result must equal fill()'s for the same grammar states, through both
 built-in backends, and the helper must have begun (not wait in its queue) when fill_async
-returns: the engine thread hands it the GIL until then."""
+returns: the engine thread hands it the GIL until then. Until the fill is done the GIL's switch
+interval is short (the helper, back from the native fill, gets the GIL without waiting for the
+engine thread to block), and then it is what it was."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from ember.bench.grammar_host import _manager, _requests
+from ember.structured_output.manager import FILL_SWITCH_INTERVAL_S
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
@@ -23,17 +27,29 @@ def test_fill_async_equals_fill(backend):
     manager = _manager(backend, tokenizer, len(tokenizer), model_width=False)
     requests = _requests(argparse.Namespace(max_tokens=64, num_requests=12),
                          tokenizer.eos_token_id)
+    interval = sys.getswitchinterval()
     try:
         for request in requests:
             manager.add(request)
         while not all(manager.ready(r) for r in requests):
             manager.wait(0.01)
+        seen_inside: list[float] = []  # the switch interval while a backend fills
+        engine = manager._backends[backend]
+        native_fill = engine.fill_bitmasks
+
+        def watched_fill(*args):
+            seen_inside.append(sys.getswitchinterval())
+            native_fill(*args)
+
+        engine.fill_bitmasks = watched_fill
         rng = np.random.default_rng(0)
         for _ in range(6):  # a few steps: each row advances by a token its mask allows
             sync = manager.fill(requests)
             pending = manager.fill_async(requests)
             assert pending.running() or pending.done()  # the helper has begun, not queued
             got = pending.result()
+            assert seen_inside[-1] <= FILL_SWITCH_INTERVAL_S  # during the helper's fill
+            assert sys.getswitchinterval() == interval
             assert got.req_ids == sync.req_ids
             assert torch.equal(got.bitmask, sync.bitmask)
             words = sync.bitmask.numpy()
@@ -44,3 +60,4 @@ def test_fill_async_equals_fill(backend):
                 manager.accept(request, token)
     finally:
         manager.shutdown()
+        sys.setswitchinterval(interval)
