@@ -235,8 +235,14 @@ class EngineCore(EngineCoreControl):
     def _launch_deferred_sampling(self) -> None:
         """Launch the in-flight step's sampling under the bitmask filled for it meanwhile."""
         pending, self._pending_bitmask = self._pending_bitmask, None
+        waited_from = time.perf_counter()
         bitmask = pending.result()
-        self.timer.mark("grammar")
+        timer = self.timer
+        timer.mark("grammar")
+        if timer.enabled:  # the helper's side: its backend fill, and how much of it was waited on
+            start, end = self.structured_output.last_fill
+            timer.add("helper: fill", end - start)
+            timer.add("helper: fill still running at the wait", max(0.0, end - waited_from))
         self.executor.finish_sampling(self._in_flight[1], bitmask)
         self.timer.mark("sample")
 

@@ -1,7 +1,8 @@
 """StepTimer: wall time per engine phase (EMBER_STEP_TIMING=1), to show where a step goes.
 
 Phases: schedule, prepare (host inputs + launch), wait (device work not hidden behind the host:
-the one sync per step), update (scheduler bookkeeping) and output (detokenize, stop strings)."""
+the one sync per step), update (scheduler bookkeeping) and output (detokenize, stop strings).
+Work timed on another thread is added under its own name (`add`): it overlaps the phases."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ class StepTimer:
             now = time.perf_counter()
             self.seconds[phase] += now - self._last
             self._last = now
+
+    def add(self, name: str, seconds: float) -> None:
+        """Time spent elsewhere (another thread), per step like the phases."""
+        if self.enabled:
+            self.seconds[name] += seconds
 
     def summary(self) -> dict[str, float]:
         """Milliseconds per step for each phase."""

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -80,6 +81,8 @@ class StructuredOutputManager:
         self.num_compiled = 0  # compiles done (cache misses), for tests and stats
         self.in_use = False  # some request had structured outputs (else steps skip the bitmask)
         self._gate: ReasoningGate | None = None  # built with the first grammar, if configured
+        # perf_counter at the start and end of the last fill's backend calls (step timing).
+        self.last_fill = (0.0, 0.0)
 
     # ---- building ----------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -292,12 +295,14 @@ class StructuredOutputManager:
             started.set()
         constrained, by_backend, undecided, array = rows
         bitmask = torch.from_numpy(array)
+        start = time.perf_counter()
         try:
             for name, (grammars, row_ids) in by_backend.items():
                 self._backends[name].fill_bitmasks(grammars, bitmask, row_ids)
         finally:
             if switch_interval is not None:  # fill_async's, back to what it was
                 sys.setswitchinterval(switch_interval)
+        self.last_fill = (start, time.perf_counter())
         if undecided:  # the first token may also open a reasoning block
             start_id = self._gate.start_id  # type: ignore[union-attr]
             word, bit = divmod(start_id, 32)
