@@ -1,9 +1,8 @@
 """The engine core fills a step's grammar bitmask on a helper thread (fill_async) while its
 own thread goes on: the result must equal fill()'s for the same grammar states, through both
-built-in backends, and the helper must have begun (not wait in its queue) when fill_async
-returns: the engine thread hands it the GIL until then. Until the fill is done the GIL's switch
-interval is short (the helper, back from the native fill, gets the GIL without waiting for the
-engine thread to block), and then it is what it was again."""
+built-in backends. Until the fill is done the GIL's switch interval is short (the helper starts
+its fill, and comes back from it, without waiting for the engine thread to block), and then it
+is what it was again."""
 
 from __future__ import annotations
 
@@ -47,7 +46,6 @@ def test_fill_async_equals_fill(backend):
         for _ in range(6):  # a few steps: each row advances by a token its mask allows
             sync = manager.fill(requests)
             pending = manager.fill_async(requests)
-            assert pending.running() or pending.done()  # the helper has begun, not queued
             got = pending.result()
             assert seen_inside[-1] <= FILL_SWITCH_INTERVAL_S  # during the helper's fill
             # Restored by the future's done callback, which runs just after the result is set.

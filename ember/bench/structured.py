@@ -92,8 +92,9 @@ def run(ns: argparse.Namespace) -> dict:
     from ember import LLM, SamplingParams
     from ember.sampling_params import StructuredOutputsParams
 
+    extra = {"async_scheduling": True} if ns.async_scheduling else {}
     llm = LLM(ns.model, max_model_len=ns.max_model_len, load_format=ns.load_format,
-              structured_outputs_config={"backend": ns.backend})
+              structured_outputs_config={"backend": ns.backend}, **extra)
     tokenizer = llm.get_tokenizer()
     prompts = []
     for i in range(ns.num_prompts):
@@ -192,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="disable_any_whitespace (needed with dummy weights)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed rounds, each constrained then unconstrained (median ratio)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="force async scheduling (on where the platform defaults it; on a "
+                             "CPU it runs the deferred grammar sampling of the GPU path)")
     parser.add_argument("--out", default=None)
     ns = parser.parse_args(argv)
     result = run(ns)

@@ -232,31 +232,29 @@ class StructuredOutputManager:
         seen replayed), so no grammar may advance before the result is taken.
 
         A thread that needs the GIL while another runs Python gets it only after the switch
-        interval (5 ms by default), longer than the work it would overlap: this thread waits
-        until the fill has started, and the interval stays short until the result is set, or
-        the helper, back from the native fill, could wait for the GIL until this thread blocks
-        on the result (a wait of 0.6-0.7 ms there in a CPU experiment, 5-17 us with the short
-        interval).
+        interval (5 ms by default), longer than the work it would overlap. So the interval is
+        short until the result is set: the helper starts its fill, and comes back from it,
+        within 0.2 ms whatever this thread runs. (Waiting here until the helper had started
+        instead cost this thread 0.5 ms a call in thread wake-ups and GIL hand-overs; without
+        the short interval the helper, back from the native fill, could wait for the GIL until
+        this thread blocked on the result: 0.6-0.7 ms in a CPU experiment, 5-17 us with it.)
         """
         if self._fill_thread is None:
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-bitmask")
-        rows, started = self._rows(requests), threading.Event()
+        rows = self._rows(requests)
         interval = sys.getswitchinterval()
         sys.setswitchinterval(min(interval, FILL_SWITCH_INTERVAL_S))
         try:
-            future = self._fill_thread.submit(self._fill_rows, rows, started)
+            future = self._fill_thread.submit(self._fill_rows, rows)
         except BaseException:
             sys.setswitchinterval(interval)
             raise
         future.add_done_callback(lambda _done: sys.setswitchinterval(interval))
-        started.wait()
         return future
 
     def _rows(self, requests: list[Request]) -> tuple:
         """(the requests with a bitmask row, each backend's grammars and rows, the rows whose
-        first token may open a reasoning block, the bitmask to fill: every token allowed)."""
-        import numpy as np
-
+        first token may open a reasoning block)."""
         constrained: list[Request] = []
         by_backend: dict[str, tuple[list, list[int]]] = {}
         undecided = []
@@ -282,19 +280,18 @@ class StructuredOutputManager:
                 entry = by_backend[so.backend] = ([], [])
             entry[0].append(grammar)
             entry[1].append(row)
-        # numpy, not torch.full: a torch op on the host wakes its thread pool, whose spinning
-        # threads then compete with the grammar backends' fill threads (4x slower on an H200
-        # host with 16 cores).
-        array = np.full((len(constrained), (self.vocab_size + 31) // 32), -1, dtype=np.int32)
-        return constrained, by_backend, undecided, array
+        return constrained, by_backend, undecided
 
-    def _fill_rows(self, rows: tuple, started: threading.Event | None = None) -> GrammarBitmask:
+    def _fill_rows(self, rows: tuple) -> GrammarBitmask:
         import numpy as np
         import torch
 
-        if started is not None:  # first, so that nothing below can leave fill_async waiting
-            started.set()
-        constrained, by_backend, undecided, array = rows
+        constrained, by_backend, undecided = rows
+        # Made here, on fill_async's helper thread (numpy fills it without the GIL). numpy, not
+        # torch.full: a torch op on the host wakes its thread pool, whose spinning threads then
+        # compete with the grammar backends' fill threads (4x slower on an H200 host with 16
+        # cores).
+        array = np.full((len(constrained), (self.vocab_size + 31) // 32), -1, dtype=np.int32)
         bitmask = torch.from_numpy(array)
         start = time.perf_counter()
         for name, (grammars, row_ids) in by_backend.items():
