@@ -332,6 +332,10 @@ class ModelRunner:
                 step.attach_samples(
                     rows, self.grammar_masks.masked_argmax(logits, rows, grammar), None)
                 return
+            if grammar is not None and logits.device.type == "cpu":
+                step.attach_samples(
+                    rows, self.grammar_masks.masked_greedy_on_host(logits, rows, grammar), None)
+                return
             if grammar is not None:
                 logits = self.grammar_masks.masked_logits(logits, rows, grammar)
             step.attach_samples(rows, greedy_argmax(logits), None)
