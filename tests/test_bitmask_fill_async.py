@@ -48,10 +48,7 @@ def test_fill_async_equals_fill(backend):
             pending = manager.fill_async(requests)
             got = pending.result()
             assert seen_inside[-1] <= FILL_SWITCH_INTERVAL_S  # during the helper's fill
-            # Restored by the future's done callback, which runs just after the result is set.
-            deadline = time.monotonic() + 5
-            while sys.getswitchinterval() != interval and time.monotonic() < deadline:
-                time.sleep(0.001)
+            _wait_for_interval(interval)
             assert sys.getswitchinterval() == interval
             assert got.req_ids == sync.req_ids
             assert torch.equal(got.bitmask, sync.bitmask)
@@ -61,6 +58,20 @@ def test_fill_async_equals_fill(backend):
                 token = int(rng.choice(np.flatnonzero(bits[:len(tokenizer)])))
                 request.append_output_token(token)
                 manager.accept(request, token)
+        # Two fills pending at once (a done callback may run after the next fill began): the
+        # interval comes back to what it was only when both are done.
+        first, second = manager.fill_async(requests), manager.fill_async(requests)
+        assert torch.equal(first.result().bitmask, second.result().bitmask)
+        _wait_for_interval(interval)
+        assert sys.getswitchinterval() == interval
     finally:
         manager.shutdown()
         sys.setswitchinterval(interval)
+
+
+def _wait_for_interval(interval: float) -> None:
+    """The future's done callback, which restores the interval, runs just after its result is
+    set: give it a moment."""
+    deadline = time.monotonic() + 5
+    while sys.getswitchinterval() != interval and time.monotonic() < deadline:
+        time.sleep(0.001)

@@ -83,6 +83,9 @@ class StructuredOutputManager:
         self._gate: ReasoningGate | None = None  # built with the first grammar, if configured
         # perf_counter at the start and end of the last fill's backend calls (step timing).
         self.last_fill = (0.0, 0.0)
+        self._switch_lock = threading.Lock()  # fill_async's switch interval (see there)
+        self._fills_pending = 0
+        self._saved_switch_interval = sys.getswitchinterval()
 
     # ---- building ----------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -242,15 +245,31 @@ class StructuredOutputManager:
         if self._fill_thread is None:
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-bitmask")
         rows = self._rows(requests)
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, FILL_SWITCH_INTERVAL_S))
+        self._short_switch_interval(True)
         try:
             future = self._fill_thread.submit(self._fill_rows, rows)
         except BaseException:
-            sys.setswitchinterval(interval)
+            self._short_switch_interval(False)
             raise
-        future.add_done_callback(lambda _done: sys.setswitchinterval(interval))
+        # Run by the helper just after the result is set (or here, if it is set already).
+        future.add_done_callback(lambda _done: self._short_switch_interval(False))
         return future
+
+    def _short_switch_interval(self, begin: bool) -> None:
+        """Count a pending fill in (True) or out (False): the first one in shortens the switch
+        interval, the last one out puts back what it was. Counted, because a fill's done
+        callback may run after the next fill has begun."""
+        with self._switch_lock:
+            if begin:
+                if self._fills_pending == 0:
+                    self._saved_switch_interval = sys.getswitchinterval()
+                    sys.setswitchinterval(min(self._saved_switch_interval,
+                                              FILL_SWITCH_INTERVAL_S))
+                self._fills_pending += 1
+            else:
+                self._fills_pending -= 1
+                if self._fills_pending == 0:
+                    sys.setswitchinterval(self._saved_switch_interval)
 
     def _rows(self, requests: list[Request]) -> tuple:
         """(the requests with a bitmask row, each backend's grammars and rows, the rows whose
