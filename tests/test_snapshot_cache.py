@@ -152,3 +152,18 @@ def test_least_recently_used_entries_are_evicted(tmp_path):
     (parent / ".staging-x").mkdir()  # being written: not an entry
     snapshot_cache.evict(str(parent), keep=str(parent / "new"), max_bytes=250)
     assert sorted(os.listdir(parent)) == [".staging-x", "new", "used"]
+
+
+def test_a_source_tree_without_distribution_metadata_uses_the_cache(loads, tmp_path,
+                                                                      monkeypatch):
+    """ember run from a source tree on PYTHONPATH (as on a machine it is copied to, not
+    installed) has no package metadata: the cache key must not need it."""
+    import importlib.metadata
+
+    def no_metadata(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_metadata)
+    tokens, _ = _run()
+    assert loads == [False] and len(_entries(tmp_path)) == 1
+    assert _run()[0] == tokens and loads == [False, True]

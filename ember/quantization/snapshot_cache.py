@@ -50,10 +50,9 @@ def entry_dir(cfg: ModelConfig, method: QuantizationMethod, model_cls: type,
     """The cache directory of this load (which may not exist yet), or None when caching is off,
     the checkpoint is not one file or the load is not of its weights (load_format="dummy").
     ValueError, as the loaders give it, when an explicit load_format does not match the file."""
-    from importlib.metadata import version
-
     import torch
 
+    import ember
     from ember.models.loader.formats import weight_format
 
     root = envs.cache_dir()
@@ -67,7 +66,10 @@ def entry_dir(cfg: ModelConfig, method: QuantizationMethod, model_cls: type,
     key = "|".join(map(str, (
         FORMAT, os.path.realpath(cfg.path), st.st_size, st.st_mtime_ns,
         f"{model_cls.__module__}.{model_cls.__qualname__}", config, method.name, dtype,
-        device.type, torch.__version__, version("ember"), torch.backends.cpu.get_cpu_capability(),
+        # ember's own version, not the installed distribution's: a source tree on PYTHONPATH
+        # has no distribution metadata (importlib.metadata would raise PackageNotFoundError).
+        device.type, torch.__version__, ember.__version__,
+        torch.backends.cpu.get_cpu_capability(),
     )))
     return os.path.join(root, "quantized-models", hashlib.sha256(key.encode()).hexdigest()[:32])
 
