@@ -92,9 +92,9 @@ def run(ns: argparse.Namespace) -> dict:
     from ember import LLM, SamplingParams
     from ember.sampling_params import StructuredOutputsParams
 
-    extra = {"async_scheduling": True} if ns.async_scheduling else {}
     llm = LLM(ns.model, max_model_len=ns.max_model_len, load_format=ns.load_format,
-              structured_outputs_config={"backend": ns.backend}, **extra)
+              structured_outputs_config={"backend": ns.backend},
+              async_scheduling=ns.async_scheduling or None)  # None: the platform's default
     tokenizer = llm.get_tokenizer()
     prompts = []
     for i in range(ns.num_prompts):

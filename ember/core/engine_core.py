@@ -244,7 +244,7 @@ class EngineCore(EngineCoreControl):
             timer.add("helper: fill", end - start)
             timer.add("helper: fill still running at the wait", max(0.0, end - waited_from))
         self.executor.finish_sampling(self._in_flight[1], bitmask)
-        self.timer.mark("sample")
+        timer.mark("sample")
 
     def _finish_sampling(self, plan: SchedulerOutput, grammar_rows: list) -> None:
         """Fill the in-flight step's bitmask from the grammars' current states and launch its
