@@ -59,19 +59,36 @@ def test_per_token_fp8_equals_torch(dtype):
     torch.testing.assert_close(scales_torch, scales, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("m,split_k", [(1, 1), (5, 3)])
-def test_small_batch_kernel_streams_fp8_weights(m, split_k):
-    """Decode batch sizes: the weight-streaming kernel widens fp8 tiles and scales each output
-    channel (W8A16), against x @ (q * scale).T."""
-    from ember.kernels.small_batch_linear import small_batch_linear
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEV == "cpu", reason="the Triton interpreter multiplies bfloat16 as its bit patterns"))])
+@pytest.mark.parametrize("m,n,k,config,bias", [
+    (1, 72, 200, (64, 32, 1), False),  # K and N tails
+    (3, 64, 256, (64, 64, 3), True),  # K split in three
+    (16, 130, 96, (64, 32, 0), False),  # every row; splits filling the SMs
+    (5, 128, 512, None, True),  # the tuned tiles
+])
+def test_fp8_gemv_equals_its_reference(m, n, k, config, bias, dtype):
+    """ember.kernels.fp8_gemv (W8A8, x quantized per row and K tile) against the same arithmetic
+    in torch (fp8_linear_reference: the same quantized bits, float64 sums): equal to the
+    output's rounding; and within W8A8's error of the unquantized product."""
+    from ember.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config
+    from ember.quantization.fp8 import fp8_linear_reference
 
-    q, scale = quantize_weight_per_channel(torch.randn(40, 96))
-    x = torch.randn(m, 96).half()
-    bias = torch.randn(40).half()
-    got = small_batch_linear(x.to(DEV), q.to(DEV), bias.to(DEV), config=(16, 32, split_k),
-                             weight_scale=scale.to(DEV))
-    want = x.float() @ (q.float() * scale[:, None]).T + bias.float()
-    torch.testing.assert_close(got.float().cpu(), want, atol=1e-2, rtol=1e-2)
+    torch.manual_seed(m + n)
+    q, scale = quantize_weight_per_channel(torch.randn(n, k))
+    x = (torch.randn(m, k) * torch.linspace(0.01, 30, k)).to(dtype)  # tiles of unlike ranges
+    x[0, : k // 2] = 0.0  # an all-zero tile row: zeros, no NaN
+    b = torch.randn(n).to(dtype) if bias else None
+    got = fp8_gemv(x.to(DEV), q.to(DEV), scale.to(DEV), b.to(DEV) if bias else None,
+                   config=config).cpu()
+    block_k = (config or fp8_gemv_config(n, k))[1]
+    want = fp8_linear_reference(x, q, scale, block_k, b)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    exact = x.double() @ (q.double() * scale.double()[:, None]).T
+    if bias:
+        exact += b.double()
+    assert (got.double() - exact).abs().max() < 0.1 * exact.abs().max()
 
 
 def test_weight_quantized_per_channel_at_load():
@@ -213,3 +230,50 @@ def test_fp8_models_against_bf16(tmp_path):
     # prompt position of random weights, whose near-uniform logits make logprobs sensitive. A
     # broken path (a scale lost or applied twice) is off by many nats.
     assert err_load < 1.5 and err_ckpt < 3.0
+
+
+_SM90_SCRIPT = r'''
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ember.kernels import fp8_gemv as g
+from ember.kernels.tuning.nvidia_h200 import TUNING
+
+kernel = g._fp8_gemv_kernel
+names = kernel.arg_names
+sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", bias_ptr="*bf16",
+           out_ptr="*bf16", part_ptr="*fp32", counters_ptr="*i32", M="i32", N="i32", K="i32",
+           stride_xm="i32", stride_wn="i32", stride_om="i32", k_per_split="i32")
+for rule in TUNING.fp8_gemv:
+    cfg = rule.config
+    for split in (1, 4):
+        consts = dict(BLOCK_M=g.MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+                      HAS_BIAS=False, SOFT=False, PDL=True)
+        signature = {n: "constexpr" if n in consts else sig[n] for n in names}
+        # As a launch specialises them: pointers 16-byte aligned, sizes multiples of 16.
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in "MN"}
+        src = ASTSource(kernel, signature, attrs=attrs,
+                        constexprs={(names.index(k),): v for k, v in consts.items()})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)).asm["ptx"]
+        assert re.search(r"wgmma\.mma_async[^;]*e4m3\.e4m3", ptx), (cfg, "no fp8 wgmma")
+        assert re.search(r"cp\.async\.cg\.shared\.global [^;]*, 0x10", ptx), (cfg, "16 B copies")
+        assert "ld.local" not in ptx and "st.local" not in ptx, (cfg, "registers spilled")
+print("ok")
+'''
+
+
+@pytest.mark.slow
+def test_fp8_gemv_compiles_to_fp8_tensor_cores_for_sm90():
+    """Without a GPU: at every tile rule of the H200 table the kernel compiles for sm90 (triton's
+    own ptxas) to fp8 wgmma, streams the weight in 16-byte asynchronous copies and spills no
+    registers (a slow-path division once did). Run in a fresh interpreter: this process may
+    have TRITON_INTERPRET set."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -11,12 +11,16 @@ elements of each W row prefetched into L2 and wAsB = A warps and B pipeline stag
 and 4). With --pdl 0 1 each is timed with programmatic dependent launch off and on (key suffix
 _pdl0 / _pdl1); --norm puts a fused RMSNorm before every call, as in a decoder layer (the norm
 is then in every time, cuBLAS's too).
+--fp8 times ember.kernels.fp8_gemv instead (float8_e4m3fn weights with per-channel scales, W8A8
+on fp8 tensor cores) over its tile configs, against cuBLAS's bf16 call of the same shape and the
+fp8 layer's path above 16 rows (per-token quantization + cuBLASLt, ``scaled_mm_us``); its
+fractions count one byte a weight.
 The kernel is checked against F.linear first. Sweeps the tiles and prints, per shape, the best
 config and whether it beats cuBLAS: the input to the device's rules in ember.kernels.tuning and
 to the weight-size limits in ember.layers.linear.
 
     python -m ember.bench.small_batch_linear --out small_batch_linear.json [--shapes llama8b]
-        [--pdl 0 1] [--norm]
+        [--pdl 0 1] [--norm] [--fp8]
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import json
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from ember.bench.timing import copy_bandwidth, graph_time_us
 from ember.kernels import KernelConfig, use_kernel_config
+from ember.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_config
 from ember.kernels.rms_norm import rms_norm
 from ember.kernels.small_batch_linear import (
     SmallBatchLinearConfig,
@@ -54,6 +60,15 @@ CONFIGS = [SmallBatchLinearConfig(*c) for c in [
     (16, 256, 1, 0, 4, 6), (16, 256, 1, 0, 4, 8), (16, 512, 1, 0, 4, 6), (64, 128, 1, 0, 4, 6),
     (32, 256, 2, 0, 4, 6), (64, 256, 2, 0, 8, 4), (32, 256, 4, 0, 4, 6),
 ]]
+# fp8_gemv: BLOCK_N x BLOCK_K x SPLIT_K (0: fill the SMs), warps, stages.
+FP8_GEMV_CONFIGS = [Fp8GemvConfig(*c) for c in [
+    (64, 128), (64, 256), (64, 512), (128, 128), (128, 256), (128, 512),
+    (64, 256, 0, 4, 3), (64, 256, 0, 4, 6), (64, 512, 0, 4, 3), (128, 256, 0, 4, 3),
+    (128, 256, 0, 4, 6), (128, 128, 0, 4, 8), (64, 128, 0, 4, 8),
+    (64, 256, 1), (64, 256, 2), (64, 256, 4), (64, 256, 8), (128, 256, 1), (128, 256, 2),
+    (128, 256, 4), (64, 512, 1), (64, 512, 2), (64, 512, 4), (128, 512, 1), (128, 512, 2),
+    (128, 256, 0, 8, 4), (128, 512, 0, 8, 3), (256, 256, 0, 8, 3), (256, 128, 0, 8, 4),
+]]
 MIN_CALLS, MAX_COPIES = 20, 256
 L2_FLUSH_BYTES = 200 * 2**20  # several times the H200's L2
 
@@ -76,6 +91,68 @@ def config_name(cfg: SmallBatchLinearConfig) -> str:
         "" if cfg[4:] == default[4:] else f"w{cfg.num_warps}s{cfg.num_stages}")
 
 
+def fp8_config_name(cfg: Fp8GemvConfig) -> str:
+    return "{}x{}x{}w{}s{}".format(*cfg)
+
+
+def bench_fp8(name: str, n: int, k: int, rows: list[int], norm: torch.Tensor | None,
+              copy_bw: float) -> list[dict]:
+    """fp8_gemv's configs on one shape (module docstring), checked against its exact reference
+    first; configs that do not fit in shared memory are skipped."""
+    from ember.quantization.fp8 import (
+        fp8_linear,
+        fp8_linear_reference,
+        quantize_weight_per_channel,
+    )
+
+    weight_bytes = n * k
+    copies = min(MAX_COPIES, -(-L2_FLUSH_BYTES // weight_bytes))
+    bf16_ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+               for _ in range(min(copies, -(-L2_FLUSH_BYTES // (2 * weight_bytes))))]
+    fp8_ws, scale = [], None
+    for i in range(copies):
+        q, scale = quantize_weight_per_channel(bf16_ws[i % len(bf16_ws)])
+        fp8_ws.append(q)
+    rows_out = []
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        fitting = []
+        for cfg in [None, *FP8_GEMV_CONFIGS]:
+            try:
+                out = fp8_gemv(x, fp8_ws[-1], scale, config=cfg)
+            except triton.runtime.errors.OutOfResources:
+                print(f"{name}: {fp8_config_name(cfg)} does not fit (skipped)")
+                continue
+            block_k = (cfg or fp8_gemv_config(n, k, x.device)).block_k
+            want = fp8_linear_reference(x, fp8_ws[-1], scale, block_k)
+            torch.testing.assert_close(out.float(), want.float(), rtol=1e-2,
+                                       atol=1e-2 * want.abs().max().item())
+            fitting.append(cfg)
+        row = {"shape": name, "n": n, "k": k, "rows": m, "norm": norm is not None, "fp8": True,
+               "default_config": list(fp8_gemv_config(n, k, x.device))}
+        row["cublas_bf16_us"] = time_calls(F.linear, x, bf16_ws, norm)
+        # The layer's path above its small-batch rows: per-token quantization + cuBLASLt fp8.
+        row["scaled_mm_us"] = time_calls(lambda xx, w: fp8_linear(xx, w, scale, None), x,
+                                         fp8_ws, norm)
+        for cfg in fitting:
+            key = f"fp8gemv_{'default' if cfg is None else fp8_config_name(cfg)}_us"
+            row[key] = time_calls(lambda xx, w, c=cfg: fp8_gemv(xx, w, scale, config=c), x,
+                                  fp8_ws, norm)
+        best = min((v, key) for key, v in row.items() if key.startswith("fp8gemv_"))
+        row["best"], row["best_us"] = best[1], best[0]
+        for key in ("cublas_bf16_us", "scaled_mm_us", "fp8gemv_default_us", "best_us"):
+            row[key.replace("_us", "_fraction_of_copy")] = (
+                (2 if key.startswith("cublas") else 1) * weight_bytes / (row[key] * 1e-6)
+                / copy_bw)
+        rows_out.append(row)
+        print(f"{name:16s} m={m}: cublas bf16 {row['cublas_bf16_us']:7.2f} us, scaled_mm "
+              f"{row['scaled_mm_us']:7.2f} us, fp8_gemv "
+              f"default {row['fp8gemv_default_us']:7.2f} us "
+              f"({row['fp8gemv_default_fraction_of_copy']:.0%}), best {best[0]:7.2f} us "
+              f"({row['best_fraction_of_copy']:.0%}) {best[1]}")
+    return rows_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -85,6 +162,8 @@ def main() -> None:
     parser.add_argument("--pdl", nargs="+", default=None, choices=["0", "1"],
                         help="time each config with programmatic dependent launch off (0) / on (1)")
     parser.add_argument("--norm", action="store_true", help="a fused RMSNorm before each call")
+    parser.add_argument("--fp8", action="store_true",
+                        help="time ember.kernels.fp8_gemv (fp8 weights, W8A8)")
     ns = parser.parse_args()
     pdl_values = ns.pdl or [None]
     copy_bw = copy_bandwidth() * 1e12
@@ -95,6 +174,9 @@ def main() -> None:
         if ns.shapes and not any(part in name for part in ns.shapes):
             continue
         norm = torch.ones(k, device="cuda", dtype=torch.bfloat16) if ns.norm else None
+        if ns.fp8:  # PDL as the process's kernel config sets it
+            results.extend(bench_fp8(name, n, k, ns.rows, norm, copy_bw))
+            continue
         copies = min(MAX_COPIES, -(-L2_FLUSH_BYTES // (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
               for _ in range(copies)]

@@ -13,6 +13,7 @@
     int4_gemv           4-bit (AWQ/GPTQ) linear layer for up to 16 rows, weight streaming
     int4_gemm           4-bit (AWQ/GPTQ) linear layer for many rows, tiled
     fp8_quant           dynamic per-token float8 quantization of activations (W8A8 layers)
+    fp8_gemv            fp8 (W8A8) linear layer for up to 16 rows on fp8 tensor cores
 
 Shared pieces: ``launch`` (grid arithmetic, SM count, programmatic dependent launch, merge
 counters), ``buffers`` (persistent scratch buffers, one per purpose and device),
@@ -51,6 +52,7 @@ OPS = (
     "int4_gemv",
     "int4_gemm",
     "fp8_quant",
+    "fp8_gemv",
 )
 _LAZY_MODULES = frozenset((*OPS, "launch", "attention_common", "int4_tile", "buffers",
                            "dispatch", "tuning"))

@@ -7,10 +7,8 @@ over long K, its separate split-K reduce) keep it well below. This kernel stream
 input rows padded to one tl.dot tile. Tiles per weight shape come from the device's rules in
 ember.kernels.tuning; which layers take the kernel is ember.layers.linear's choice.
 
-The weight may also be float8_e4m3fn with one float32 scale per output feature (the fp8
-quantization method's layers at decode batch sizes): tiles are widened to x's dtype as they are
-loaded (exact) and the scale multiplies each output once, so half the bytes stream for the same
-arithmetic.
+fp8 weights take ember.kernels.fp8_gemv (widening their tiles here cost ~11 instructions a
+weight on sm_90, 40-64% of the bandwidth).
 """
 
 from __future__ import annotations
@@ -37,11 +35,11 @@ __all__ = ["MAX_ROWS", "SmallBatchLinearConfig", "small_batch_linear", "small_ba
 
 @triton.jit
 def _small_batch_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr,
-                               scale_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
+                               M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                                L2_PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               HAS_SCALE: tl.constexpr, DOT_PREC: tl.constexpr,
+                               DOT_PREC: tl.constexpr,
                                PDL: tl.constexpr):
     # Grid (output tiles, K splits). With SPLIT_K > 1 each program stores its fp32 partial sum;
     # the last split of a tile to finish (an atomic count per tile, no second kernel) adds them
@@ -86,16 +84,12 @@ def _small_batch_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counte
             for split in tl.static_range(SPLIT_K):
                 acc += tl.load(part_ptr + split * M * N + tile, mask=out_mask, other=0.0,
                                cache_modifier=".cg")
-            if HAS_SCALE:
-                acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(counters_ptr + pid_n, 0)
     else:
-        if HAS_SCALE:
-            acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
@@ -115,12 +109,9 @@ def _tuned_config(tuning: DeviceTuning, n: int, k: int) -> SmallBatchLinearConfi
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: tuple | None = None,
-                       weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                       config: tuple | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2-D x of at most MAX_ROWS rows. ``config`` (a
-    SmallBatchLinearConfig, or its leading fields as a tuple) overrides the tuned tiles. With
-    ``weight_scale`` (float32 [N]) the weight (e.g. float8_e4m3fn) means weight * scale[:, None].
-    """
+    SmallBatchLinearConfig, or its leading fields as a tuple) overrides the tuned tiles."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k
@@ -147,11 +138,10 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     else:
         partials = counters = out  # unused by the kernel
     _small_batch_linear_kernel[(n_tiles, split_k)](
-        x, weight, bias if bias is not None else weight, out, partials, counters,
-        weight_scale if weight_scale is not None else out, m, n, k,
+        x, weight, bias if bias is not None else weight, out, partials, counters, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        L2_PREFETCH=l2_prefetch, HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None,
+        L2_PREFETCH=l2_prefetch, HAS_BIAS=bias is not None,
         DOT_PREC=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
         **pdl_options(x),
     )

@@ -1,12 +1,13 @@
 """Tuned launch configurations of the kernels, as data keyed by device.
 
-The types of the tables (``DecodeConfig``, ``PrefillConfig``, ``SmallBatchLinearConfig`` and
-the shape rules that pick the latter) and ``DeviceTuning``, one set of tables per device. A
-device module (``nvidia_h200``) holds one ``DeviceTuning``; ``tuning_for(device)`` returns the
-entry whose key the CUDA device's name contains, and ``default_tuning()`` for every other device
-and for the CPU interpreter: the H200's tables, the only device they were measured on.
-To tune a device, run ``python -m ember.bench.attention_kernels``, ``decode_latency`` and
-``small_batch_linear`` there, add a module with its tables and name it in ``_device_tunings``.
+The types of the tables (``DecodeConfig``, ``PrefillConfig``, ``SmallBatchLinearConfig``,
+``Fp8GemvConfig`` and the shape rules that pick the latter two) and ``DeviceTuning``, one set of
+tables per device. A device module (``nvidia_h200``) holds one ``DeviceTuning``;
+``tuning_for(device)`` returns the entry whose key the CUDA device's name contains, and
+``default_tuning()`` for every other device and for the CPU interpreter: the H200's tables, the
+only device they were measured on. To tune a device, run ``python -m
+ember.bench.attention_kernels``, ``decode_latency`` and ``small_batch_linear`` (``--fp8`` for
+fp8_gemv) there, add a module with its tables and name it in ``_device_tunings``.
 
 Nothing here imports torch or triton except ``tuning_for`` (torch, for the device name).
 """
@@ -64,6 +65,29 @@ class SmallBatchLinearConfig(NamedTuple):
     num_stages: int = 4
 
 
+class Fp8GemvConfig(NamedTuple):
+    """Tiles of ember.kernels.fp8_gemv: output features (>= 64: wgmma's rows) and K per step,
+    K splits (0: as many as fill the SMs), warps, and pipeline stages."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclass(frozen=True)
+class Fp8GemvRule:
+    """``config`` for an [n, k] fp8 weight within these bounds (None: unbounded)."""
+
+    config: Fp8GemvConfig
+    min_n: int | None = None  # n > min_n
+    min_k: int | None = None  # k >= min_k
+
+    def matches(self, n: int, k: int) -> bool:
+        return (self.min_n is None or n > self.min_n) and (self.min_k is None or k >= self.min_k)
+
+
 # Rows the small-batch linear kernel takes: they are padded to one tl.dot tile.
 SMALL_BATCH_LINEAR_MAX_ROWS = 16
 
@@ -102,12 +126,19 @@ class DeviceTuning:
     prefill: Mapping[int, PrefillConfig]
     # First matching rule wins; the last should match every shape.
     small_batch_linear: tuple[LinearRule, ...]
+    fp8_gemv: tuple[Fp8GemvRule, ...] = ()
 
     def linear_config(self, n: int, k: int) -> SmallBatchLinearConfig:
         for rule in self.small_batch_linear:
             if rule.matches(n, k):
                 return rule.config
         return SmallBatchLinearConfig(32, 256)
+
+    def fp8_gemv_config(self, n: int, k: int) -> Fp8GemvConfig:
+        for rule in self.fp8_gemv:
+            if rule.matches(n, k):
+                return rule.config
+        return Fp8GemvConfig(64, 256)
 
 
 def _device_tunings() -> dict[str, DeviceTuning]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 from ember.kernels.tuning import (
     DecodeConfig,
     DeviceTuning,
+    Fp8GemvConfig,
+    Fp8GemvRule,
     LinearRule,
     PrefillConfig,
     SmallBatchLinearConfig,
@@ -56,5 +58,14 @@ TUNING = DeviceTuning(
         LinearRule(SmallBatchLinearConfig(32, 256, 4, l2_prefetch=1024), max_n=1024, min_k=1536),
         LinearRule(SmallBatchLinearConfig(32, 128, l2_prefetch=1024), max_elements=2**20),
         LinearRule(SmallBatchLinearConfig(32, 256, l2_prefetch=1024)),
+    ),
+    # fp8_gemv at Llama-8B's shapes, 1 and 16 rows (ember.bench.small_batch_linear --fp8): wide
+    # weight tiles in 8 warps share each x tile's quantization among more weights; the
+    # 28672-output gate_up prefers more, narrower programs (128 x 128: 38.3 us at 1 row, 33.9
+    # at 16) and the long-K down longer tiles (256 x 256: 19.6 us, the next 26.3).
+    fp8_gemv=(
+        Fp8GemvRule(Fp8GemvConfig(128, 128, 0, 4, 4), min_n=16384),
+        Fp8GemvRule(Fp8GemvConfig(256, 256, 0, 8, 3), min_k=8192),
+        Fp8GemvRule(Fp8GemvConfig(256, 128, 0, 8, 4)),
     ),
 )

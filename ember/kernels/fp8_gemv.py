@@ -1,0 +1,151 @@
+"""fp8_gemv: an fp8 linear layer (float8_e4m3fn weight, one scale per output) for up to 16 rows.
+
+At decode batch sizes the layer should stream its 1-byte weight at the copy bandwidth. Widening
+fp8 tiles to bf16 for a bf16 tensor-core dot (W8A16) cost ~11 instructions a weight on sm_90 and
+held the weight stream to 40-64% of the bandwidth. Here both operands stay fp8 and the dot runs
+on Hopper's fp8 tensor cores (wgmma), which need 64 rows in their first operand: so the operands
+are swapped, the weight tile [BLOCK_N >= 64, BLOCK_K] is the first operand straight from shared
+memory and the few input rows, padded to 16, the second; the program computes out^T.
+
+The activations are quantized as they are read, one scale per row and K tile: finer than
+vLLM's per-token scales, and no pass over x before the weight stream starts. The scale is the
+smallest power of two that brings the tile row's largest magnitude within e4m3's 448 (as MX
+formats scale), made from the magnitude's bits: x / scale is then exact and costs a multiply,
+where amax / 448 correctly rounded (as ember.kernels.fp8_quant divides) compiles to a
+division sequence with a slow-path call in every loop step. e4m3 keeps 3 mantissa bits in
+every binade, so only values that fall below its normal range lose precision to the coarser
+scale. Each tile's dot is scaled by its x scales as it is added; the weight's per-channel
+scale multiplies each output once at the end. The rows are padded to 16 (with 8, Triton 3.6
+falls back to bf16 mma.sync and widens the weight).
+
+Grid (output tiles, K splits): K splits are summed as in ember.kernels.small_batch_linear (the
+last split of a tile to finish adds the others' partial sums in split order). Tiles and splits
+come from the device's rules in ember.kernels.tuning.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels.launch import cdiv, merge_counters, num_sms, pdl_options
+from ember.kernels.store_kv import quantize_fp8, soft_fp8
+from ember.kernels.tuning import SMALL_BATCH_LINEAR_MAX_ROWS as MAX_ROWS
+from ember.kernels.tuning import Fp8GemvConfig, tuning_for
+
+__all__ = ["MAX_ROWS", "Fp8GemvConfig", "fp8_gemv", "fp8_gemv_config"]
+
+FP8_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr,
+                     M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT: tl.constexpr,
+                     PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PDL:  # x comes from the kernel before (ember.kernels.launch.pdl_options)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    for k in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        x_scale, inv = _power_of_two_scale(tl.max(tl.abs(x), axis=1))
+        xq = quantize_fp8(x, inv[:, None], FP8_MAX, SOFT).to(tl.float8e4nv)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(w, tl.trans(xq)) * x_scale[None, :]
+    tile = offs_m[None, :] * N + offs_n[:, None]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    if SPLIT_K > 1:
+        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=out_mask)
+        if tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                acc += tl.load(part_ptr + split * M * N + tile, mask=out_mask, other=0.0,
+                               cache_modifier=".cg")
+            acc *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counters_ptr + pid_n, 0)
+    else:
+        acc *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _power_of_two_scale(amax):
+    """(scale, 1 / scale): the smallest power of two with amax / scale <= 448 (= 1.75 * 2^8),
+    from amax's bits: 2^(e - 8), or 2^(e - 7) when its mantissa is above 1.75; 2^-126 for
+    zero. x * (1 / scale) is then exact and within e4m3's range."""
+    bits = amax.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    exp = tl.maximum(exp, 1)  # the biased exponent of the scale
+    return (exp << 23).to(tl.float32, bitcast=True), ((254 - exp) << 23).to(tl.float32,
+                                                                             bitcast=True)
+
+
+def fp8_gemv_config(n: int, k: int, device: torch.device | None = None) -> Fp8GemvConfig:
+    """The tuned tiles for an [n, k] fp8 weight on ``device`` (ember.kernels.tuning)."""
+    return _tuned_config(tuning_for(device), n, k)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tuned_config(tuning, n: int, k: int) -> Fp8GemvConfig:
+    return tuning.fp8_gemv_config(n, k)
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None = None,
+             config: tuple | None = None) -> torch.Tensor:
+    """x [m <= MAX_ROWS, k] (16-bit) times ``weight`` (float8_e4m3fn [n, k]) * ``weight_scale``
+    (float32 [n]) transposed, plus ``bias``: W8A8 (module docstring). ``config`` (an
+    Fp8GemvConfig, or its leading fields as a tuple) overrides the tuned tiles; a split of 0
+    means as many K splits as fill the SMs."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= MAX_ROWS and weight.shape[1] == k and weight.dtype == torch.float8_e4m3fn
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    block_n, block_k, split_k, num_warps, num_stages = Fp8GemvConfig(
+        *(config or fp8_gemv_config(n, k, x.device)))
+    n_tiles = cdiv(n, block_n)
+    if split_k == 0:  # enough splits for one program an SM, each at least two K tiles
+        split_k = max(1, min(cdiv(num_sms(x.device), n_tiles), k // (2 * block_k)))
+    # Whole BLOCK_K steps per split, and no split left empty.
+    k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
+    split_k = cdiv(k, k_per_split)
+    if split_k > 1:
+        partials = torch.empty(split_k * m * n, dtype=torch.float32, device=x.device)
+        counters = merge_counters(n_tiles, x.device)
+    else:
+        partials = counters = out  # unused by the kernel
+    _fp8_gemv_kernel[(n_tiles, split_k)](
+        x, weight, weight_scale, bias if bias is not None else weight_scale, out, partials,
+        counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        HAS_BIAS=bias is not None, SOFT=soft_fp8(x), num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(x),
+    )
+    return out
