@@ -75,3 +75,41 @@ def _wait_for_interval(interval: float) -> None:
     deadline = time.monotonic() + 5
     while sys.getswitchinterval() != interval and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+def test_fills_into_the_host_buffers_in_turn():
+    """With use_host_buffers (the engine core gives page-locked ones on a GPU) each fill writes
+    into the next of the buffers, in turn, growing one that is too small, and equals a fill into
+    a fresh array, also where a buffer held a longer bitmask before."""
+    from ember.default_model import default_model_path
+    from ember.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    manager = _manager("xgrammar", tokenizer, len(tokenizer), model_width=False)
+    requests = _requests(argparse.Namespace(max_tokens=64, num_requests=6),
+                         tokenizer.eos_token_id)
+    allocated: list[torch.Tensor] = []
+
+    def allocate(numel: int) -> torch.Tensor:
+        allocated.append(torch.full((numel,), 12345, dtype=torch.int32))  # not -1: no head start
+        return allocated[-1]
+
+    try:
+        for request in requests:
+            manager.add(request)
+        while not all(manager.ready(r) for r in requests):
+            manager.wait(0.01)
+        want = manager.fill(requests)  # a fresh array
+        want_few = manager.fill(requests[:2])
+        manager.use_host_buffers(allocate, count=2)
+        first = manager.fill(requests[:2])
+        second = manager.fill_async(requests).result()
+        third = manager.fill(requests)  # the first buffer again, grown: 2 rows -> 6
+        fourth = manager.fill(requests[:2])  # the second buffer, 6 rows of old bits in it
+        for got, expect, buffer in ((first, want_few, allocated[0]), (second, want, allocated[1]),
+                                    (third, want, allocated[2]), (fourth, want_few, allocated[1])):
+            assert got.bitmask.data_ptr() == buffer.data_ptr()
+            assert got.req_ids == expect.req_ids and torch.equal(got.bitmask, expect.bitmask)
+        assert len(allocated) == 3
+    finally:
+        manager.shutdown()

@@ -75,6 +75,14 @@ class EngineCore(EngineCoreControl):
         # wait for its bitmask while its forward runs.
         self._defer_grammar_sampling = self.async_scheduling and getattr(
             self.executor, "defers_grammar_sampling", False)
+        if self._defer_grammar_sampling and not platform.device_is_host():
+            # The runner is in this process: bitmasks are filled into page-locked buffers it
+            # copies to the device as they are. One a step: the one being filled, the one the
+            # step in flight samples with, and one spare.
+            import torch
+
+            self.structured_output.use_host_buffers(
+                lambda numel: platform.empty_host_buffer(numel, torch.int32), count=3)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             self.executor.max_num_batched_tokens,

@@ -70,6 +70,8 @@ class GrammarMasks:
             row_list = None
         if self.platform.device_is_host():
             return torch.from_numpy(bitmask), device_rows, row_list
+        if row_list is None and grammar.bitmask.is_pinned():  # filled in place (see below)
+            return grammar.bitmask.to(self.device, non_blocking=True), device_rows, row_list
         return self._pinned_to_device(bitmask), device_rows, row_list
 
     def masked_logits(self, logits: torch.Tensor, rows: list[CachedRequestState],
@@ -118,6 +120,13 @@ class GrammarMasks:
         mask_rows = bitmask_rows(rows, grammar)
         if not (mask_rows >= 0).any():
             return greedy_argmax(logits)
+        if grammar.bitmask.is_pinned():
+            # The structured-output manager filled it into a page-locked buffer of its own
+            # (StructuredOutputManager.use_host_buffers): it goes to the device as it is, with
+            # no copy on this thread; the row map goes after it.
+            return kernels.argmax.argmax_rows(
+                logits, grammar.bitmask.to(self.device, non_blocking=True),
+                self._pinned_to_device(mask_rows))
         bitmask = grammar.bitmask.numpy()
         # One copy for both: the row map, then the bitmask.
         both = self._pinned_to_device(mask_rows, bitmask)
