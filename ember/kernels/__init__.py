@@ -18,7 +18,7 @@
 Shared pieces: ``launch`` (grid arithmetic, SM count, programmatic dependent launch, merge
 counters), ``buffers`` (persistent scratch buffers, one per purpose and device),
 ``attention_common`` (score scaling inside the attention kernels), ``int4_tile`` (reading
-4-bit weight tiles), ``tuning`` (tuned
+4-bit weight tiles), ``split_k`` (the linear kernels' in-kernel K-split merge), ``tuning`` (tuned
 tile configurations per device, as data), ``config`` (``KernelConfig``: what stays switchable,
 set once per process) and ``dispatch`` (whether a layer takes a kernel).
 
@@ -54,7 +54,7 @@ OPS = (
     "fp8_quant",
     "fp8_gemv",
 )
-_LAZY_MODULES = frozenset((*OPS, "launch", "attention_common", "int4_tile", "buffers",
+_LAZY_MODULES = frozenset((*OPS, "launch", "attention_common", "int4_tile", "split_k", "buffers",
                            "dispatch", "tuning"))
 
 __all__ = ["OPS", "KernelConfig", "kernel_config", "set_kernel_config", "use_kernel_config"]

@@ -18,9 +18,8 @@ scale. Each tile's dot is scaled by its x scales as it is added; the weight's pe
 scale multiplies each output once at the end. The rows are padded to 16 (with 8, Triton 3.6
 falls back to bf16 mma.sync and widens the weight).
 
-Grid (output tiles, K splits): K splits are summed as in ember.kernels.small_batch_linear (the
-last split of a tile to finish adds the others' partial sums in split order). Tiles and splits
-come from the device's rules in ember.kernels.tuning.
+Grid (output tiles, K splits): K splits merge in the kernel (ember.kernels.split_k). Tiles and
+splits come from the device's rules in ember.kernels.tuning.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.launch import cdiv, merge_counters, num_sms, pdl_options
+from ember.kernels.split_k import split_k_total
 from ember.kernels.store_kv import quantize_fp8, soft_fp8
 from ember.kernels.tuning import SMALL_BATCH_LINEAR_MAX_ROWS as MAX_ROWS
 from ember.kernels.tuning import Fp8GemvConfig, tuning_for
@@ -69,27 +69,15 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, cou
         xq = quantize_fp8(x, inv[:, None], FP8_MAX, SOFT).to(tl.float8e4nv)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(w, tl.trans(xq)) * x_scale[None, :]
-    tile = offs_m[None, :] * N + offs_n[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    if SPLIT_K > 1:
-        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=out_mask)
-        if tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                acc += tl.load(part_ptr + split * M * N + tile, mask=out_mask, other=0.0,
-                               cache_modifier=".cg")
-            acc *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counters_ptr + pid_n, 0)
-    else:
+    acc, last = split_k_total(acc, part_ptr, counters_ptr, pid_n, pid_k,
+                              offs_m[None, :] * N + offs_n[:, None], out_mask, M * N, SPLIT_K)
+    if last:
         acc *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
+                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 @triton.jit
 def _power_of_two_scale(amax):

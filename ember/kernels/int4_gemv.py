@@ -7,9 +7,8 @@ columns (times K splits) walks its K range in BLOCK_K-row tiles of the K-packed 
 thread expands the packs it loaded, one mask and one subtract per weight, and keeps a partial
 per pack row, summed once at the end; the weight tile never changes layout. More rows expand
 the tile to 4-bit values and multiply with the rows of x padded to one tl.dot tile. The
-group's zero and scale are applied once per tile. With SPLIT_K > 1 each program stores an fp32
-partial and the last split of a tile to finish adds them in split order (deterministic; no
-second kernel), as ember.kernels.small_batch_linear does.
+group's zero and scale are applied once per tile. K splits merge in the kernel
+(ember.kernels.split_k: deterministic, no second kernel).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from ember.kernels.launch import (
     num_sms,
     pdl_options,
 )
+from ember.kernels.split_k import split_k_total
 
 MAX_ROWS = 16
 
@@ -97,25 +97,13 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
             acc += group_correction(part, xsum, qz_ptr, s_ptr, k0 // GROUP, n0, N, q_offset(x.dtype),
                                     BLOCK_N)
     out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K > 1:
-        tile = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=out_mask)
-        if tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                acc += tl.load(part_ptr + split * M * N + tile, mask=out_mask, other=0.0,
-                               cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counters_ptr + pid_n, 0)
-    else:
+    acc, last = split_k_total(acc, part_ptr, counters_ptr, pid_n, pid_k,
+                              offs_m[:, None] * N + offs_n[None, :], out_mask, M * N, SPLIT_K)
+    if last:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
 
 def block_k_for(group_size: int, block_k: int) -> int:
     """The largest power of two <= block_k (and >= 16, tl.dot's minimum) dividing the group."""

@@ -27,6 +27,7 @@ from ember.kernels.launch import (
     next_power_of_2,
     pdl_options,
 )
+from ember.kernels.split_k import split_k_total
 from ember.kernels.tuning import SMALL_BATCH_LINEAR_MAX_ROWS as MAX_ROWS
 from ember.kernels.tuning import DeviceTuning, SmallBatchLinearConfig, tuning_for
 
@@ -41,9 +42,7 @@ def _small_batch_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counte
                                L2_PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
                                DOT_PREC: tl.constexpr,
                                PDL: tl.constexpr):
-    # Grid (output tiles, K splits). With SPLIT_K > 1 each program stores its fp32 partial sum;
-    # the last split of a tile to finish (an atomic count per tile, no second kernel) adds them
-    # in split order, so the result does not depend on which finished first, and resets the count.
+    # Grid (output tiles, K splits); K splits merge in the kernel (ember.kernels.split_k).
     # Triton multi-buffers the W (and x) tile loads of the loop: num_stages - 1 tiles in flight.
     # L2_PREFETCH: the first L2_PREFETCH K elements of the program's W rows are requested into
     # L2 first, one prefetch per 128-byte line. W depends on no earlier kernel, so with PDL this
@@ -76,25 +75,13 @@ def _small_batch_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counte
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PREC)
     out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K > 1:
-        tile = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=out_mask)
-        if tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                acc += tl.load(part_ptr + split * M * N + tile, mask=out_mask, other=0.0,
-                               cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counters_ptr + pid_n, 0)
-    else:
+    acc, last = split_k_total(acc, part_ptr, counters_ptr, pid_n, pid_k,
+                              offs_m[:, None] * N + offs_n[None, :], out_mask, M * N, SPLIT_K)
+    if last:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
 
 def small_batch_linear_config(n: int, k: int,
                               device: torch.device | None = None) -> SmallBatchLinearConfig:
