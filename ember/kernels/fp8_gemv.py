@@ -34,7 +34,7 @@ from ember.kernels.launch import cdiv, merge_counters, num_sms, pdl_options
 from ember.kernels.split_k import split_k_total
 from ember.kernels.store_kv import quantize_fp8, soft_fp8
 from ember.kernels.tuning import SMALL_BATCH_LINEAR_MAX_ROWS as MAX_ROWS
-from ember.kernels.tuning import Fp8GemvConfig, tuning_for
+from ember.kernels.tuning import DeviceTuning, Fp8GemvConfig, tuning_for
 
 __all__ = ["MAX_ROWS", "Fp8GemvConfig", "fp8_gemv", "fp8_gemv_config"]
 
@@ -79,6 +79,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, cou
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
+
 @triton.jit
 def _power_of_two_scale(amax):
     """(scale, 1 / scale): the smallest power of two with amax / scale <= 448 (= 1.75 * 2^8),
@@ -87,8 +88,8 @@ def _power_of_two_scale(amax):
     bits = amax.to(tl.int32, bitcast=True)
     exp = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
     exp = tl.maximum(exp, 1)  # the biased exponent of the scale
-    return (exp << 23).to(tl.float32, bitcast=True), ((254 - exp) << 23).to(tl.float32,
-                                                                             bitcast=True)
+    scale = (exp << 23).to(tl.float32, bitcast=True)
+    return scale, ((254 - exp) << 23).to(tl.float32, bitcast=True)
 
 
 def fp8_gemv_config(n: int, k: int, device: torch.device | None = None) -> Fp8GemvConfig:
@@ -97,7 +98,7 @@ def fp8_gemv_config(n: int, k: int, device: torch.device | None = None) -> Fp8Ge
 
 
 @functools.lru_cache(maxsize=1024)
-def _tuned_config(tuning, n: int, k: int) -> Fp8GemvConfig:
+def _tuned_config(tuning: DeviceTuning, n: int, k: int) -> Fp8GemvConfig:
     return tuning.fp8_gemv_config(n, k)
 
 
@@ -113,6 +114,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     assert m <= MAX_ROWS and weight.shape[1] == k and weight.dtype == torch.float8_e4m3fn
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out

@@ -83,6 +83,7 @@ def _small_batch_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counte
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
+
 def small_batch_linear_config(n: int, k: int,
                               device: torch.device | None = None) -> SmallBatchLinearConfig:
     """The tuned tiles for an [n, k] weight on ``device`` (ember.kernels.tuning)."""

@@ -1,9 +1,8 @@
 """fp8 (W8A8): float8_e4m3fn weights with one scale per output channel, activations quantized per
 token as each layer runs, multiplied by torch._scaled_mm (cuBLASLt's fp8 GEMM, row-wise scales).
-At decode batch sizes (as many rows as ember.layers.linear gives a bf16 weight of the same bytes)
-the weight streams through ember.kernels.fp8_gemv instead: W8A8 on the fp8 tensor cores too,
-the activations quantized inside the kernel with one scale per row and K tile (no second
-kernel).
+At decode batch sizes (up to 16 rows, on CUDA) the weight streams through ember.kernels.fp8_gemv
+instead: W8A8 on the fp8 tensor cores too, the activations quantized inside the kernel with a
+power-of-two scale per row and K tile (no second kernel).
 
 Two ways in:
 - fp8 checkpoints: compressed-tensors' "float-quantized" format (quant_method
