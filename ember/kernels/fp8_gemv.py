@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.launch import cdiv, merge_counters, num_sms, pdl_options
-from ember.kernels.split_k import split_k_total
+from ember.kernels.launch import cdiv, num_sms, pdl_options
+from ember.kernels.split_k import split_k_launch, split_k_total
 from ember.kernels.store_kv import quantize_fp8, soft_fp8
 from ember.kernels.tuning import SMALL_BATCH_LINEAR_MAX_ROWS as MAX_ROWS
 from ember.kernels.tuning import DeviceTuning, Fp8GemvConfig, tuning_for
@@ -124,18 +124,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     n_tiles = cdiv(n, block_n)
     if split_k == 0:  # enough splits for one program an SM, each at least two K tiles
         split_k = max(1, min(cdiv(num_sms(x.device), n_tiles), k // (2 * block_k)))
-    # Whole BLOCK_K steps per split, and no split left empty.
-    k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
-    split_k = cdiv(k, k_per_split)
-    if split_k > 1:
-        partials = torch.empty(split_k * m * n, dtype=torch.float32, device=x.device)
-        counters = merge_counters(n_tiles, x.device)
-    else:
-        partials = counters = out  # unused by the kernel
-    _fp8_gemv_kernel[(n_tiles, split_k)](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out, partials,
-        counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+    splits = split_k_launch(k, split_k, block_k, m, n, n_tiles, out)
+    _fp8_gemv_kernel[(n_tiles, splits.split_k)](
+        x, weight, weight_scale, bias if bias is not None else weight_scale, out, splits.partials,
+        splits.counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), splits.k_per_split,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits.split_k,
         HAS_BIAS=bias is not None, SOFT=soft_fp8(x), num_warps=num_warps, num_stages=num_stages,
         **pdl_options(x),
     )

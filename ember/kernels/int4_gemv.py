@@ -32,11 +32,10 @@ from ember.kernels.launch import (
     cdiv,
     compiled_for_gpu,
     dot_precision,
-    merge_counters,
     num_sms,
     pdl_options,
 )
-from ember.kernels.split_k import split_k_total
+from ember.kernels.split_k import split_k_launch, split_k_total
 
 MAX_ROWS = 16
 
@@ -153,18 +152,12 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     fma = bool(rest and rest[0]) and m == 1
     assert group_size % block_k == 0 or group_size == k, "a tile must not straddle two groups"
     step = 2 * block_k if fma else block_k  # the one-row loop takes two tiles a step
-    k_per_split = cdiv(cdiv(k, split_k), step) * step
-    split_k = cdiv(k, k_per_split)
     n_tiles = cdiv(n, block_n)
-    if split_k > 1:
-        partials = torch.empty(split_k * m * n, dtype=torch.float32, device=x.device)
-        counters = merge_counters(n_tiles, x.device)
-    else:
-        partials = counters = out  # unused by the kernel
-    _int4_gemv_kernel[(n_tiles, split_k)](
-        x, qweight, qzeros, scales, bias if bias is not None else scales, out, partials,
-        counters, m, n, k, x.stride(0), out.stride(0), k_per_split, GROUP=group_size,
-        BLOCK_M=1 if fma else MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+    splits = split_k_launch(k, split_k, step, m, n, n_tiles, out)
+    _int4_gemv_kernel[(n_tiles, splits.split_k)](
+        x, qweight, qzeros, scales, bias if bias is not None else scales, out, splits.partials,
+        splits.counters, m, n, k, x.stride(0), out.stride(0), splits.k_per_split, GROUP=group_size,
+        BLOCK_M=1 if fma else MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits.split_k,
         HAS_BIAS=bias is not None, DOT_PREC=dot_precision(x.dtype), FMA=fma,
         PACKED_HALF=fma and x.dtype != torch.float32 and compiled_for_gpu(x), num_warps=num_warps,
         num_stages=num_stages, **pdl_options(x),

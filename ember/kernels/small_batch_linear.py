@@ -23,11 +23,10 @@ from ember.kernels.launch import (
     cdiv,
     compiled_for_gpu,
     dot_precision,
-    merge_counters,
     next_power_of_2,
     pdl_options,
 )
-from ember.kernels.split_k import split_k_total
+from ember.kernels.split_k import split_k_launch, split_k_total
 from ember.kernels.tuning import SMALL_BATCH_LINEAR_MAX_ROWS as MAX_ROWS
 from ember.kernels.tuning import DeviceTuning, SmallBatchLinearConfig, tuning_for
 
@@ -116,19 +115,12 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         l2_prefetch = 0  # an inline PTX instruction: not in the interpreter
     # At least one line, at most K, in whole powers of two of lines (the kernel masks per split).
     l2_prefetch = next_power_of_2(max(min(l2_prefetch, k), 64)) if l2_prefetch else 0
-    # Whole BLOCK_K steps per split, and no split left empty.
-    k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
-    split_k = cdiv(k, k_per_split)
     n_tiles = cdiv(n, block_n)
-    if split_k > 1:
-        partials = torch.empty(split_k * m * n, dtype=torch.float32, device=x.device)
-        counters = merge_counters(n_tiles, x.device)
-    else:
-        partials = counters = out  # unused by the kernel
-    _small_batch_linear_kernel[(n_tiles, split_k)](
-        x, weight, bias if bias is not None else weight, out, partials, counters, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+    splits = split_k_launch(k, split_k, block_k, m, n, n_tiles, out)
+    _small_batch_linear_kernel[(n_tiles, splits.split_k)](
+        x, weight, bias if bias is not None else weight, out, splits.partials, splits.counters,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), splits.k_per_split,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits.split_k,
         L2_PREFETCH=l2_prefetch, HAS_BIAS=bias is not None,
         DOT_PREC=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
         **pdl_options(x),

@@ -4,13 +4,38 @@ A linear kernel whose grid splits K (small_batch_linear, int4_gemv, fp8_gemv) ha
 store its float32 partial tile; the split that finishes a tile last (an atomic count per tile in
 the device's merge counters, ember.kernels.launch) adds all the partials in split order, so the
 result does not depend on which finished first, and resets the count for the next launch.
-No second kernel, no host synchronization.
+No second kernel, no host synchronization. ``split_k_launch`` sizes a launch's splits and
+buffers on the host.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
+
+from ember.kernels.launch import cdiv, merge_counters
+
+
+class SplitK(NamedTuple):
+    k_per_split: int  # whole steps of K
+    split_k: int  # the grid's second dimension
+    partials: torch.Tensor  # float32 [split_k * m * n]; ``out`` when K is not split (unused)
+    counters: torch.Tensor  # the merge counters; ``out`` when K is not split (unused)
+
+
+def split_k_launch(k: int, split_k: int, step: int, m: int, n: int, n_tiles: int,
+                   out: torch.Tensor) -> SplitK:
+    """Up to ``split_k`` splits of K in whole ``step``s, none left empty, with the partial sums'
+    buffer and the merge counters their launch needs."""
+    k_per_split = cdiv(cdiv(k, split_k), step) * step
+    split_k = cdiv(k, k_per_split)
+    if split_k == 1:
+        return SplitK(k_per_split, 1, out, out)
+    partials = torch.empty(split_k * m * n, dtype=torch.float32, device=out.device)
+    return SplitK(k_per_split, split_k, partials, merge_counters(n_tiles, out.device))
 
 
 @triton.jit
