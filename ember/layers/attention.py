@@ -51,11 +51,20 @@ class Attention(nn.Module):
         self.impl = attn_backend.impl_cls()(
             num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap
         )
+        self._op_key: int | None = None  # this layer in ember::attention calls (if compiled)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         """q: [T, num_heads(*head_size)], k/v: [T, num_kv_heads(*head_size)] -> [T, H * D]."""
+        if torch.compiler.is_compiling() and self._op_key is not None:
+            # One opaque call in the traced graph (ember.layers.compiled_attention).
+            return torch.ops.ember.attention(q, k, v, self._op_key)
+        return self.eager_forward(q, k, v, ctx)
+
+    def eager_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         t = q.shape[0]
         return self.impl.forward(
             q.view(t, self.num_heads, self.head_size),

@@ -96,7 +96,10 @@ def longrope_settings(config: Any, scaling: dict[str, Any]) -> tuple[bool, float
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """q [T, Hq, D] and k [T, Hk, D] as one [T, Hq + Hk, D] view when k's heads directly follow
-    q's in memory (both views of one fused qkv output), else None."""
+    q's in memory (both views of one fused qkv output), else None. None under torch.compile:
+    dynamo cannot trace data pointers, and inductor fuses the two rotations anyway."""
+    if torch.compiler.is_compiling():
+        return None
     if q.dim() != 3 or k.dim() != 3 or q.dtype != k.dtype or q.device != k.device:
         return None
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.stride()[1:] != k.stride()[1:]:

@@ -30,6 +30,7 @@ from ember.worker.input_batch import (
 from ember.worker.input_stager import InputStager
 
 if TYPE_CHECKING:
+    from ember.layers.attention import ForwardContext
     from ember.platforms.base import Platform
     from ember.worker.graph_runner import GraphRunner
 
@@ -103,18 +104,28 @@ class ModelRunner:
         self.stager = InputStager(platform)
         self.in_flight: InFlightStep | None = None  # the last launched step
         self.grammar_masks = GrammarMasks(platform, self.device)
+        self.compiled = False  # compile_model() ran
 
     # ---- set-up (called by ember.worker.builder) ---------------------------------------
     def compile_model(self) -> None:
-        """torch.compile the model around its attention layers. Those stay eager (dynamo skips
-        them): a backend reads host-side metadata and writes the paged KV cache in place, which
-        traced code would bake in; inductor fuses everything between them."""
-        from ember.layers.attention import Attention
+        """torch.compile the model's whole forward as one graph. Its attention layers are one
+        opaque op each (ember.layers.compiled_attention: a backend reads host-side metadata and
+        writes the paged KV cache in place, which traced code would bake in), fed the step's
+        ForwardContext around each call (``_forward``); inductor fuses everything between."""
+        from ember.layers import compiled_attention
 
-        for module in self.model.modules():
-            if isinstance(module, Attention):
-                module.forward = torch.compiler.disable(module.forward)
+        compiled_attention.prepare(self.model)
         self.model = torch.compile(self.model, dynamic=True)
+        self.compiled = True
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 ctx: ForwardContext) -> torch.Tensor:
+        if not self.compiled:
+            return self.model(input_ids, positions, ctx)
+        from ember.layers.compiled_attention import forward_context
+
+        with forward_context(ctx):
+            return self.model(input_ids, positions, ctx)
 
     def kv_geometry(self) -> tuple[int, int, int]:
         model = self.model
@@ -176,7 +187,7 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         ctx = ForwardContext(self.attn_backend.build_metadata(md), caches)
-        hidden = self.model(ids, positions, ctx)
+        hidden = self._forward(ids, positions, ctx)
         logits = self.model.compute_logits(hidden[:max_num_seqs])
         params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * logits.shape[0]
         rows = [[0]] * logits.shape[0]
@@ -271,7 +282,7 @@ class ModelRunner:
         else:
             positions = self._stage("positions", batch.positions, torch.int64)
             ctx = ForwardContext(attn_metadata=self._metadata(batch), kv_caches=self.kv_caches)
-            hidden = self.model(input_ids, positions, ctx)
+            hidden = self._forward(input_ids, positions, ctx)
         self._prompt_logprobs(batch, hidden, out, step.result)
         if batch.sample_rows:
             rows, logits = self._sampling_logits(batch, hidden)
