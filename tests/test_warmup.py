@@ -41,6 +41,14 @@ def test_full_plan_covers_the_shapes():
     assert {step[-1].num_tokens for step in mixed} >= {64, 96, 4096, 40960}
 
 
+def test_host_plan_ends_with_a_one_token_step():
+    """On the host: one mixed step, then one of a single token, which torch.compile traces
+    apart (dynamo specializes sizes 0 and 1), so compile_model compiles both in start-up."""
+    plan = warmup.warmup_plan(512, 32, 256, full=False)
+    assert len(plan) == 2 and len({r.num_scheduled for r in plan[0]}) > 1
+    assert [r.num_scheduled for r in plan[1]] == [1]
+
+
 def test_startup_profile_adds_up_stages():
     profile = StartupProfile()
     with profile.stage("weights"):

@@ -147,13 +147,20 @@ class RotaryEmbedding(nn.Module):
             scaling["ember_use_long"], attention_scaling = longrope_settings(config, scaling)
         return cls(head_size, theta, scaling, int(head_size * (partial or 1.0)), attention_scaling)
 
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """The inverse frequencies on ``device``, copied there once. (Called for the model's
+        device before torch.compile traces it: a copy made while tracing would change the
+        cache the trace was guarded on, and the next call would compile it again.)"""
+        inv = self._per_device.get(device)
+        if inv is None:
+            inv = self._per_device.setdefault(device, self._inv_freq.to(device))
+        return inv
+
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape [T, 1, rotary_dim // 2] (broadcast over heads), in ``dtype``."""
-        inv = self._per_device.get(positions.device)
-        if inv is None:
-            inv = self._per_device.setdefault(positions.device, self._inv_freq.to(positions.device))
+        inv = self.inv_freq_on(positions.device)
         freqs = positions.float()[:, None] * inv
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_scaling != 1.0:

@@ -113,8 +113,12 @@ class ModelRunner:
         writes the paged KV cache in place, which traced code would bake in), fed the step's
         ForwardContext around each call (``_forward``); inductor fuses everything between."""
         from ember.layers import compiled_attention
+        from ember.layers.rotary import RotaryEmbedding
 
         compiled_attention.prepare(self.model)
+        for module in self.model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.inv_freq_on(self.device)
         self.model = torch.compile(self.model, dynamic=True)
         self.compiled = True
 

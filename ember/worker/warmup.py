@@ -19,8 +19,8 @@ log-softmax. The plan below covers each of those axes without knowing any kernel
   split count from the decode count and L.
 Where the device is the host nothing compiles per shape (no Triton on the CPU, and memory
 profiling has already run the largest step), so there one small mixed step takes the runner's
-main paths once (the first forward's one-time costs move into start-up) and the sweeps are
-skipped.
+main paths once (the first forward's one-time costs move into start-up), then one one-token
+step (a compiled model traces it apart), and the sweeps are skipped.
 
 Dummy requests write their keys and values into the first blocks of the pool (block ids wrap
 around num_blocks); the KV cache manager does not exist yet and never hears of them, and those
@@ -91,16 +91,20 @@ def warmup_plan(max_tokens: int, max_num_seqs: int, max_model_len: int,
     """The dummy steps, in order (see the module docstring for why each is there). Without
     ``full`` (a device that compiles nothing per shape) one small mixed step takes the
     runner's main paths once: a greedy and a seeded decode beside a chunk with prompt logprobs
-    (as many of those rows as max_num_seqs and max_num_batched_tokens allow)."""
+    (as many of those rows as max_num_seqs and max_num_batched_tokens allow), then one
+    one-token step."""
     special = (TOP_K_TOP_P, SEEDED, PENALTIES, LOGPROBS, PLAIN_RANDOM, GREEDY)
     if not full:
+        one_token = [DummyRequest(DECODE_CONTEXT, 1, SEEDED)]
         decodes = [DummyRequest(DECODE_CONTEXT, 1, p) for p in (SEEDED, GREEDY)]
         while decodes and (len(decodes) + 1 > max_num_seqs or len(decodes) + 2 > max_tokens):
             decodes.pop()  # room for the chunk first
         chunk = min(4, max_tokens - len(decodes), max_model_len)
         if chunk < 2:
-            return [[DummyRequest(DECODE_CONTEXT, 1, SEEDED)]]
-        return [decodes + [DummyRequest(chunk, chunk, PROMPT_LOGPROBS)]]
+            return [one_token]
+        # Then a one-token step: torch.compile (compile_model) traces a step of one token
+        # apart from longer ones (dynamo specializes sizes 0 and 1).
+        return [decodes + [DummyRequest(chunk, chunk, PROMPT_LOGPROBS)], one_token]
     steps = [largest_prefill(max_tokens, max_num_seqs, max_model_len)]
     longest_chunk = min(max_tokens, max_model_len, SHORT_PREFILL_MAX)
     chunks = _powers_of_two(2, longest_chunk)
