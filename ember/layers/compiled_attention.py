@@ -16,7 +16,7 @@ import contextlib
 import functools
 import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,9 +53,11 @@ def forward_context(ctx: ForwardContext) -> Iterator[None]:
 
 
 @functools.cache
-def attention_op():
+def attention_op() -> Callable[..., torch.Tensor]:
     """``ember::attention``: the layer ``key``'s eager forward under the current context."""
 
+    # The KV cache it writes is no argument, so torch does not see that write: nothing else in
+    # the graph reads the cache, and each layer's call depends on the layer before.
     @torch.library.custom_op("ember::attention", mutates_args=())
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: int) -> torch.Tensor:
         ctx = _context[0]
