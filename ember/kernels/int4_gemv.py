@@ -104,6 +104,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
+
 def block_k_for(group_size: int, block_k: int) -> int:
     """The largest power of two <= block_k (and >= 16, tl.dot's minimum) dividing the group."""
     while block_k > 16 and group_size % block_k:

@@ -57,7 +57,7 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         """q: [T, num_heads(*head_size)], k/v: [T, num_kv_heads(*head_size)] -> [T, H * D]."""
-        if torch.compiler.is_compiling() and self._op_key is not None:
+        if self._op_key is not None and torch.compiler.is_compiling():
             # One opaque call in the traced graph (ember.layers.compiled_attention).
             return torch.ops.ember.attention(q, k, v, self._op_key)
         return self.eager_forward(q, k, v, ctx)

@@ -1,8 +1,8 @@
 """Tuned launch configurations of the kernels, as data keyed by device.
 
 The types of the tables (``DecodeConfig``, ``PrefillConfig``, ``SmallBatchLinearConfig``,
-``Fp8GemvConfig`` and the shape rules that pick the latter two) and ``DeviceTuning``, one set of
-tables per device. A device module (``nvidia_h200``) holds one ``DeviceTuning``;
+``Fp8GemvConfig`` and ``LinearRule``, the shape rules that pick the latter two) and
+``DeviceTuning``, one set of tables per device. A device module (``nvidia_h200``) holds one ``DeviceTuning``;
 ``tuning_for(device)`` returns the entry whose key the CUDA device's name contains, and
 ``default_tuning()`` for every other device and for the CPU interpreter: the H200's tables, the
 only device they were measured on. To tune a device, run ``python -m
@@ -76,27 +76,16 @@ class Fp8GemvConfig(NamedTuple):
     num_stages: int = 4
 
 
-@dataclass(frozen=True)
-class Fp8GemvRule:
-    """``config`` for an [n, k] fp8 weight within these bounds (None: unbounded)."""
-
-    config: Fp8GemvConfig
-    min_n: int | None = None  # n > min_n
-    min_k: int | None = None  # k >= min_k
-
-    def matches(self, n: int, k: int) -> bool:
-        return (self.min_n is None or n > self.min_n) and (self.min_k is None or k >= self.min_k)
-
-
 # Rows the small-batch linear kernel takes: they are padded to one tl.dot tile.
 SMALL_BATCH_LINEAR_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
 class LinearRule:
-    """``config`` for an [n, k] weight within these bounds (None: unbounded)."""
+    """``config`` (a linear kernel's tiles) for an [n, k] weight within these bounds (None:
+    unbounded)."""
 
-    config: SmallBatchLinearConfig
+    config: SmallBatchLinearConfig | Fp8GemvConfig
     min_elements: int | None = None  # n * k > min_elements
     max_elements: int | None = None  # n * k < max_elements
     min_n: int | None = None  # n > min_n
@@ -126,7 +115,7 @@ class DeviceTuning:
     prefill: Mapping[int, PrefillConfig]
     # First matching rule wins; the last should match every shape.
     small_batch_linear: tuple[LinearRule, ...]
-    fp8_gemv: tuple[Fp8GemvRule, ...] = ()
+    fp8_gemv: tuple[LinearRule, ...] = ()
 
     def linear_config(self, n: int, k: int) -> SmallBatchLinearConfig:
         for rule in self.small_batch_linear:

@@ -16,7 +16,6 @@ from ember.kernels.tuning import (
     DecodeConfig,
     DeviceTuning,
     Fp8GemvConfig,
-    Fp8GemvRule,
     LinearRule,
     PrefillConfig,
     SmallBatchLinearConfig,
@@ -64,8 +63,8 @@ TUNING = DeviceTuning(
     # 28672-output gate_up prefers more, narrower programs (128 x 128: 38.3 us at 1 row, 33.9
     # at 16) and the long-K down longer tiles (256 x 256: 19.6 us, the next 26.3).
     fp8_gemv=(
-        Fp8GemvRule(Fp8GemvConfig(128, 128, 0, 4, 4), min_n=16384),
-        Fp8GemvRule(Fp8GemvConfig(256, 256, 0, 8, 3), min_k=8192),
-        Fp8GemvRule(Fp8GemvConfig(256, 128, 0, 8, 4)),
+        LinearRule(Fp8GemvConfig(128, 128, 0, 4, 4), min_n=16384),
+        LinearRule(Fp8GemvConfig(256, 256, 0, 8, 3), min_k=8192),
+        LinearRule(Fp8GemvConfig(256, 128, 0, 8, 4)),
     ),
 )
