@@ -91,6 +91,35 @@ def test_fp8_gemv_equals_its_reference(m, n, k, config, bias, dtype):
     assert (got.double() - exact).abs().max() < 0.1 * exact.abs().max()
 
 
+@pytest.mark.parametrize("m,n,k,config,bias", [
+    (1, 72, 200, (64, 32, 1), True),  # K and N tails
+    (16, 130, 96, (64, 32, 0), False),  # every row; splits filling the SMs
+    (5, 128, 512, None, False),  # the tuned tiles
+])
+def test_fp8_gemv_takes_x_quantized_per_token(m, n, k, config, bias):
+    """x already quantized (float8_e4m3fn and one scale per row, as a producer kernel writes
+    it): the dot of the two fp8 operands, scaled by the row's and the channel's scales."""
+    from ember.kernels.fp8_gemv import fp8_gemv
+
+    torch.manual_seed(m + n)
+    q, scale = quantize_weight_per_channel(torch.randn(n, k))
+    x = torch.randn(m, k) * torch.linspace(0.01, 30, k)
+    x[0] = 0.0  # an all-zero row: zeros, no NaN
+    xq, x_scale = per_token_fp8_torch(x)
+    b = torch.randn(n).half() if bias else None
+    got = fp8_gemv(xq.to(DEV), q.to(DEV), scale.to(DEV), b.to(DEV) if bias else None,
+                   config=config, x_scale=x_scale.to(DEV), out_dtype=torch.float16).cpu()
+    want = (xq.double() @ q.double().T) * x_scale.double() * scale.double()
+    if bias:
+        want += b.double()
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    if not bias:
+        assert got[0].abs().max() == 0
+    torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    with pytest.raises(AssertionError, match="row scales"):
+        fp8_gemv(xq.to(DEV), q.to(DEV), scale.to(DEV))
+
+
 def test_weight_quantized_per_channel_at_load():
     weight = torch.randn(48, 64)
     weight[5] = 0.0
@@ -242,24 +271,27 @@ from ember.kernels.tuning.nvidia_h200 import TUNING
 
 kernel = g._fp8_gemv_kernel
 names = kernel.arg_names
-sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", bias_ptr="*bf16",
-           out_ptr="*bf16", part_ptr="*fp32", counters_ptr="*i32", M="i32", N="i32", K="i32",
-           stride_xm="i32", stride_wn="i32", stride_om="i32", k_per_split="i32")
-for rule in TUNING.fp8_gemv:
+for rule, split, x_fp8 in [(r, s, f) for r in TUNING.fp8_gemv for s in (1, 4)
+                           for f in (False, True)]:
     cfg = rule.config
-    for split in (1, 4):
-        consts = dict(BLOCK_M=g.MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-                      HAS_BIAS=False, SOFT=False, PDL=True)
-        signature = {n: "constexpr" if n in consts else sig[n] for n in names}
-        # As a launch specialises them: pointers 16-byte aligned, sizes multiples of 16.
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in "MN"}
-        src = ASTSource(kernel, signature, attrs=attrs,
-                        constexprs={(names.index(k),): v for k, v in consts.items()})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)).asm["ptx"]
-        assert re.search(r"wgmma\.mma_async[^;]*e4m3\.e4m3", ptx), (cfg, "no fp8 wgmma")
-        assert re.search(r"cp\.async\.cg\.shared\.global [^;]*, 0x10", ptx), (cfg, "16 B copies")
-        assert "ld.local" not in ptx and "st.local" not in ptx, (cfg, "registers spilled")
+    sig = dict(x_ptr="*fp8e4nv" if x_fp8 else "*bf16", x_scale_ptr="*fp32", w_ptr="*fp8e4nv",
+               w_scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
+               counters_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
+               stride_wn="i32", stride_om="i32", k_per_split="i32")
+    consts = dict(BLOCK_M=g.MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+                  HAS_BIAS=False, X_FP8=x_fp8, SOFT=False, PDL=True)
+    signature = {n: "constexpr" if n in consts else sig[n] for n in names}
+    # As a launch specialises them: pointers 16-byte aligned, sizes multiples of 16.
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in "MN"}
+    src = ASTSource(kernel, signature, attrs=attrs,
+                    constexprs={(names.index(k),): v for k, v in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)).asm["ptx"]
+    assert re.search(r"wgmma\.mma_async[^;]*e4m3\.e4m3", ptx), (cfg, "no fp8 wgmma")
+    assert re.search(r"cp\.async\.cg\.shared\.global [^;]*, 0x10", ptx), (cfg, "16 B copies")
+    assert "ld.local" not in ptx and "st.local" not in ptx, (cfg, "registers spilled")
+    # x written in fp8 by the kernel before: no conversion to e4m3 left in the loop.
+    assert not x_fp8 or "e4m3x2" not in ptx.split("wgmma")[0], (cfg, "x converted")
 print("ok")
 '''
 

@@ -36,6 +36,7 @@ import triton
 from ember.bench.timing import copy_bandwidth, graph_time_us
 from ember.kernels import KernelConfig, use_kernel_config
 from ember.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_config
+from ember.kernels.fp8_quant import per_token_fp8
 from ember.kernels.rms_norm import rms_norm
 from ember.kernels.small_batch_linear import (
     SmallBatchLinearConfig,
@@ -140,7 +141,29 @@ def bench_fp8(name: str, n: int, k: int, rows: list[int], norm: torch.Tensor | N
                                   fp8_ws, norm)
         best = min((v, key) for key, v in row.items() if key.startswith("fp8gemv_"))
         row["best"], row["best_us"] = best[1], best[0]
-        for key in ("cublas_bf16_us", "scaled_mm_us", "fp8gemv_default_us", "best_us"):
+        # x quantized per token by the kernel before (a producer's fused quantization): the
+        # GEMV alone, over the same tiles, and with ember.kernels.fp8_quant as its own launch.
+        xq, xs = per_token_fp8(x)
+        want = (xq.double() @ fp8_ws[-1].double().T) * xs.double() * scale.double()
+        for cfg in fitting:
+            got = fp8_gemv(xq, fp8_ws[-1], scale, config=cfg, x_scale=xs)
+            torch.testing.assert_close(got.double(), want, rtol=1e-2,
+                                       atol=1e-2 * want.abs().max().item())
+            key = f"prequant_{'default' if cfg is None else fp8_config_name(cfg)}_us"
+            row[key] = graph_time_us(
+                lambda i, c=cfg, xq=xq, xs=xs: fp8_gemv(xq, fp8_ws[i % len(fp8_ws)], scale,
+                                                        config=c, x_scale=xs),
+                max(MIN_CALLS, len(fp8_ws)))
+        row["prequant_best_us"], row["prequant_best"] = min(
+            (v, key) for key, v in row.items() if key.startswith("prequant_"))
+
+        def quant_then_gemv(xx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            q, q_scale = per_token_fp8(xx)
+            return fp8_gemv(q, w, scale, x_scale=q_scale)
+
+        row["quant_then_gemv_us"] = time_calls(quant_then_gemv, x, fp8_ws, norm)
+        for key in ("cublas_bf16_us", "scaled_mm_us", "fp8gemv_default_us", "best_us",
+                    "prequant_default_us", "prequant_best_us"):
             row[key.replace("_us", "_fraction_of_copy")] = (
                 (2 if key.startswith("cublas") else 1) * weight_bytes / (row[key] * 1e-6)
                 / copy_bw)
@@ -149,7 +172,11 @@ def bench_fp8(name: str, n: int, k: int, rows: list[int], norm: torch.Tensor | N
               f"{row['scaled_mm_us']:7.2f} us, fp8_gemv "
               f"default {row['fp8gemv_default_us']:7.2f} us "
               f"({row['fp8gemv_default_fraction_of_copy']:.0%}), best {best[0]:7.2f} us "
-              f"({row['best_fraction_of_copy']:.0%}) {best[1]}")
+              f"({row['best_fraction_of_copy']:.0%}) {best[1]}; x quantized before: default "
+              f"{row['prequant_default_us']:7.2f} us "
+              f"({row['prequant_default_fraction_of_copy']:.0%}), best "
+              f"{row['prequant_best_us']:7.2f} us ({row['prequant_best_fraction_of_copy']:.0%}) "
+              f"{row['prequant_best']}")
     return rows_out
 
 
@@ -205,7 +232,11 @@ def main() -> None:
             results.append(row)
             print(f"{name:16s} m={m}: cublas {row['cublas_us']:7.2f} us "
                   f"({row['cublas_fraction_of_copy']:.0%}), best triton {best[0]:7.2f} us "
-                  f"({row['best_fraction_of_copy']:.0%}) {best[1]}")
+                  f"({row['best_fraction_of_copy']:.0%}) {best[1]}; x quantized before: default "
+              f"{row['prequant_default_us']:7.2f} us "
+              f"({row['prequant_default_fraction_of_copy']:.0%}), best "
+              f"{row['prequant_best_us']:7.2f} us ({row['prequant_best_fraction_of_copy']:.0%}) "
+              f"{row['prequant_best']}")
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump({"copy_bandwidth_Bps": copy_bw, "results": results}, f, indent=1)

@@ -42,11 +42,11 @@ FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr,
-                     M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
+def _fp8_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
+                     counters_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT: tl.constexpr,
-                     PDL: tl.constexpr):
+                     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, X_FP8: tl.constexpr,
+                     SOFT: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -63,17 +63,23 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, cou
     for k in range(k_lo, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        x_scale, inv = _power_of_two_scale(tl.max(tl.abs(x), axis=1))
-        xq = quantize_fp8(x, inv[:, None], FP8_MAX, SOFT).to(tl.float8e4nv)
+        x_tile = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        x_mask = m_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.dot(w, tl.trans(xq)) * x_scale[None, :]
+        if X_FP8:  # quantized by the kernel that wrote x: both operands stream as they are
+            acc += tl.dot(w, tl.trans(tl.load(x_tile, mask=x_mask, other=0.0)))
+        else:
+            x = tl.load(x_tile, mask=x_mask, other=0.0).to(tl.float32)
+            x_scale, inv = _power_of_two_scale(tl.max(tl.abs(x), axis=1))
+            xq = quantize_fp8(x, inv[:, None], FP8_MAX, SOFT).to(tl.float8e4nv)
+            acc += tl.dot(w, tl.trans(xq)) * x_scale[None, :]
     out_mask = n_mask[:, None] & m_mask[None, :]
     acc, last = split_k_total(acc, part_ptr, counters_ptr, pid_n, pid_k,
                               offs_m[None, :] * N + offs_n[:, None], out_mask, M * N, SPLIT_K)
     if last:
         acc *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        if X_FP8:
+            acc *= tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
@@ -103,20 +109,26 @@ def _tuned_config(tuning: DeviceTuning, n: int, k: int) -> Fp8GemvConfig:
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             bias: torch.Tensor | None = None,
-             config: tuple | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None = None, config: tuple | None = None,
+             x_scale: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [m <= MAX_ROWS, k] (16-bit) times ``weight`` (float8_e4m3fn [n, k]) * ``weight_scale``
-    (float32 [n]) transposed, plus ``bias``: W8A8 (module docstring). ``config`` (an
-    Fp8GemvConfig, or its leading fields as a tuple) overrides the tuned tiles; a split of 0
-    means as many K splits as fill the SMs."""
+    (float32 [n]) transposed, plus ``bias``: W8A8 (module docstring). x may instead come
+    quantized, float8_e4m3fn with one float32 scale per row in ``x_scale`` ([m] or [m, 1]; as
+    ember.kernels.fp8_quant.per_token_fp8 or a producer kernel writes them); the output is then
+    ``out_dtype``. ``config`` (an Fp8GemvConfig, or its leading fields as a tuple) overrides the
+    tuned tiles; a split of 0 means as many K splits as fill the SMs."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and weight.dtype == torch.float8_e4m3fn
+    x_fp8 = x.dtype == torch.float8_e4m3fn
+    assert x_fp8 == (x_scale is not None), "an fp8 x comes with its row scales, a 16-bit x not"
     if x.stride(-1) != 1:
         x = x.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype or (torch.bfloat16 if x_fp8 else x.dtype),
+                      device=x.device)
     if m == 0 or n == 0:
         return out
     block_n, block_k, split_k, num_warps, num_stages = Fp8GemvConfig(
@@ -126,10 +138,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         split_k = max(1, min(cdiv(num_sms(x.device), n_tiles), k // (2 * block_k)))
     splits = split_k_launch(k, split_k, block_k, m, n, n_tiles, out)
     _fp8_gemv_kernel[(n_tiles, splits.split_k)](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out, splits.partials,
-        splits.counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), splits.k_per_split,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits.split_k,
-        HAS_BIAS=bias is not None, SOFT=soft_fp8(x), num_warps=num_warps, num_stages=num_stages,
+        x, x_scale if x_fp8 else weight_scale, weight, weight_scale,
+        bias if bias is not None else weight_scale, out, splits.partials, splits.counters, m, n,
+        k, x.stride(0), weight.stride(0), out.stride(0), splits.k_per_split, BLOCK_M=MAX_ROWS,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits.split_k, HAS_BIAS=bias is not None,
+        X_FP8=x_fp8, SOFT=soft_fp8(out), num_warps=num_warps, num_stages=num_stages,
         **pdl_options(x),
     )
     return out
