@@ -120,6 +120,54 @@ def test_fp8_gemv_takes_x_quantized_per_token(m, n, k, config, bias):
         fp8_gemv(xq.to(DEV), q.to(DEV), scale.to(DEV))
 
 
+def test_producers_hand_fp8_layers_quantized_rows(monkeypatch):
+    """RMSNorm (with and without the residual add) and SiLU-and-mul, told the fp8 layer they
+    feed, write float8_e4m3fn rows and per-token scales equal bit for bit to per_token_fp8 of
+    their half-precision output, and the layer computes on them as given; a layer that does
+    not ask, or KernelConfig(quantized_producers=False), gets the half-precision rows."""
+    from ember.kernels import dispatch
+    from ember.kernels.config import KernelConfig, use_kernel_config
+    from ember.layers.activation import SiluAndMul
+    from ember.layers.linear import Linear, QuantizedActivation
+    from ember.layers.norm import RMSNorm
+
+    # The kernels' path on the CPU: under the interpreter, float16 (module docstring).
+    monkeypatch.setattr(dispatch, "takes_kernel", lambda x: x.dtype == torch.float16)
+    torch.manual_seed(0)
+    layer = Linear(256, 48, bias=True, dtype=torch.float16,
+                   quant_method=Fp8LinearMethod(serialized=False))
+    layer.weight.data.copy_(torch.randn(48, 256).half())
+    layer.bias.data.copy_(torch.randn(48).half())
+    layer.quant_method.process_weights_after_loading(layer)
+    norm = RMSNorm(256, 1e-6, torch.float16)
+    norm.weight.data.copy_(torch.rand(256).half() + 0.5)
+    x, res = torch.randn(5, 256).half(), torch.randn(5, 256).half()
+
+    def check(got, half_rows: torch.Tensor) -> None:
+        assert isinstance(got, QuantizedActivation)
+        want_q, want_scale = per_token_fp8(half_rows)
+        assert torch.equal(got.data.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(got.scale, want_scale)
+        y = layer(got)
+        want = ((want_q.double() @ layer.weight.double().T) * want_scale.double()
+                * layer.weight_scale.double() + layer.bias.double())
+        assert y.dtype == torch.float16
+        torch.testing.assert_close(y.double(), want, rtol=2e-3, atol=2e-3 * want.abs().max())
+
+    check(norm(x, quant_for=layer), norm(x))
+    got, h = norm.forward_with_residual(x, res, layer)
+    half_rows, h_plain = norm.forward_with_residual(x, res)
+    assert torch.equal(h, h_plain)
+    check(got, half_rows)
+    act, gate_up = SiluAndMul(), torch.randn(5, 2 * 256).half() * 4
+    check(act(gate_up, quant_for=layer), act(gate_up))
+    plain_layer = Linear(256, 48, bias=False, dtype=torch.float16)
+    assert isinstance(norm(x, quant_for=plain_layer), torch.Tensor)
+    with use_kernel_config(KernelConfig(quantized_producers=False)):
+        assert isinstance(RMSNorm(256, 1e-6, torch.float16)(x, quant_for=layer), torch.Tensor)
+        assert isinstance(SiluAndMul()(gate_up, quant_for=layer), torch.Tensor)
+
+
 def test_weight_quantized_per_channel_at_load():
     weight = torch.randn(48, 64)
     weight[5] = 0.0
@@ -259,6 +307,42 @@ def test_fp8_models_against_bf16(tmp_path):
     # prompt position of random weights, whose near-uniform logits make logprobs sensitive. A
     # broken path (a scale lost or applied twice) is off by many nats.
     assert err_load < 1.5 and err_ckpt < 3.0
+
+
+@pytest.mark.gpu
+def test_fp8_model_with_quantized_producers(tmp_path, monkeypatch):
+    """An fp8 model whose norms and SiLU-and-mul hand its layers quantized rows, against the
+    same model with each layer quantizing its own input (KernelConfig(quantized_producers=
+    False)): the producers' kernels run only in the first, and the two agree (prompt
+    logprobs, greedy tokens; printed)."""
+    from ember.kernels import rms_norm, silu_and_mul
+    from ember.kernels.config import KernelConfig, use_kernel_config
+
+    calls = {"rms_norm_fp8": 0, "silu_and_mul_fp8": 0}
+
+    def counting(fn, name: str):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for module, name in ((rms_norm, "rms_norm_fp8"), (silu_and_mul, "silu_and_mul_fp8")):
+        monkeypatch.setattr(module, name, counting(getattr(module, name), name))
+    src = str(make_tiny_model("llama", tmp_path, hidden_size=512, intermediate_size=1024,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                              num_hidden_layers=4))
+    kw = dict(skip_tokenizer_init=True, max_model_len=128, dtype="bfloat16", quantization="fp8")
+    with use_kernel_config(KernelConfig(quantized_producers=False)):
+        plain_llm = LLM(src, **kw)
+    plain = _logits(plain_llm)
+    plain_llm.shutdown()
+    assert calls == {"rms_norm_fp8": 0, "silu_and_mul_fp8": 0}
+    fused = _logits(LLM(src, **kw))
+    assert calls["rms_norm_fp8"] > 0 and calls["silu_and_mul_fp8"] > 0
+    err, same = _compare(plain, fused)
+    print(f"fp8, quantized producers vs each layer quantizing: max prompt-logprob error "
+          f"{err:.4f}, greedy agreement {same:.2f}")
+    assert err < 1.0
 
 
 _SM90_SCRIPT = r'''

@@ -2,7 +2,7 @@
 
     python -m ember.bench.quant kernels --out quant_kernels.json
     python -m ember.bench.quant engine --model ember/configs/llama-3.1-8b \\
-        --methods bf16 fp8 awq fp8kv --out quant_engine.json
+        --methods bf16 fp8 fp8-self-quant awq fp8kv --out quant_engine.json
 
 ``kernels``: Llama-3.1-8B's projections at 1, 4 and 16 rows and at 256: bf16 cuBLAS, the
 small-batch bf16 kernel, fp8 (per-token quantization + torch._scaled_mm, and up to 16 rows the
@@ -172,6 +172,7 @@ def bench_engine(ns: argparse.Namespace) -> dict:
     from ember import LLM, SamplingParams
     from ember.bench.timing import copy_bandwidth
     from ember.bench.workloads import random_workload
+    from ember.kernels.config import KernelConfig, use_kernel_config
 
     copy_bw = copy_bandwidth() * 1e12
     torch.cuda.empty_cache()
@@ -182,13 +183,17 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         path = ns.model
         if method == "awq":
             path = _awq_dir(ns.model)
-        elif method == "fp8":
+        elif method in ("fp8", "fp8-self-quant"):
             kw["quantization"] = "fp8"
         elif method == "fp8kv":
             kw["kv_cache_dtype"] = "fp8"
             kw["attention_backend"] = "triton"
+        # fp8-self-quant: each fp8 layer quantizes its own input (the norms and SiLU-and-mul
+        # write half precision), the path before quantized producers.
+        config = KernelConfig(quantized_producers=method != "fp8-self-quant")
         start = time.perf_counter()
-        llm = LLM(path, **kw)
+        with use_kernel_config(config):
+            llm = LLM(path, **kw)
         startup = time.perf_counter() - start
         runner = llm.llm_engine.executor.runner
         step_bytes = _decode_bytes(runner.model)
@@ -244,7 +249,7 @@ def main() -> None:
     e = sub.add_parser("engine")
     e.add_argument("--model", default="ember/configs/llama-3.1-8b")
     e.add_argument("--methods", nargs="+", default=["bf16", "fp8", "awq"],
-                   choices=["bf16", "fp8", "awq", "fp8kv"])
+                   choices=["bf16", "fp8", "fp8-self-quant", "awq", "fp8kv"])
     e.add_argument("--num-prompts", type=int, default=256)
     e.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
     e.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])

@@ -24,6 +24,10 @@ class KernelConfig:
     triton_layers: bool = True
     # Programmatic dependent launch of ember's kernels on sm90+ (see launch.pdl_options).
     pdl: bool = True
+    # RMSNorm and SiLU-and-mul write their output already quantized when the linear layer
+    # after them computes on quantized activations (fp8: LinearMethod.quantized_input_dtype),
+    # instead of that layer quantizing it again.
+    quantized_producers: bool = True
 
 
 _current = KernelConfig()

@@ -23,6 +23,17 @@ MIN_SCALE = 1e-12
 
 
 @triton.jit
+def per_token_scale(amax, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr):
+    """(scale, 1 / scale) of a row whose largest magnitude is ``amax``: amax / 448, at least
+    MIN_SCALE. Correctly rounded divisions (a compiler may otherwise multiply by 1/448 or
+    approximate the reciprocal), so scales and values equal torch's bit for bit. Shared by the
+    kernels that write activations quantized for an fp8 layer (RMSNorm, SiLU-and-mul)."""
+    fp8_max = tl.full([], FP8_MAX_C, tl.float32)
+    scale = tl.maximum(tl.math.div_rn(amax, fp8_max), MIN_SCALE_C)
+    return scale, tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
+
+
+@triton.jit
 def _per_token_fp8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm,
                           FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
                           BLOCK: tl.constexpr, SOFT: tl.constexpr, PDL: tl.constexpr):
@@ -36,12 +47,8 @@ def _per_token_fp8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm,
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    # Correctly rounded divisions (a compiler may otherwise multiply by 1/448 or approximate
-    # the reciprocal), so scales and values equal torch's bit for bit.
-    fp8_max = tl.full([], FP8_MAX_C, tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), fp8_max), MIN_SCALE_C)
+    scale, inv = per_token_scale(tl.max(amax, 0), FP8_MAX_C, MIN_SCALE_C)
     tl.store(scale_ptr + row, scale)
-    inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
     for k in range(0, K, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0)

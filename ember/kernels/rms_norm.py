@@ -4,6 +4,11 @@ and the next block's norm are one kernel. ``fused_add_rms_norm_router`` also mul
 normalised rows by a mixture-of-experts router's weight: at decode batch sizes the router is a
 GEMV too small to fill the GPU, so it rides in the norm's kernel instead of a launch of its own.
 
+``rms_norm_fp8`` writes the normalised rows quantized for an fp8 layer instead
+(float8_e4m3fn and one scale per row, what ember.kernels.fp8_quant.per_token_fp8 would make of
+the half-precision output): the layer after then reads 1-byte activations with nothing left to
+quantize (ember.quantization.fp8).
+
 The residual sum is rounded to the model dtype where torch rounds it (bit-identical); the norm
 itself may differ from torch by an ulp (reduction order, rsqrt). Outputs are new contiguous
 tensors; nothing synchronises (CUDA-graph safe).
@@ -15,7 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels import fp8_quant
+from ember.kernels.fp8_quant import per_token_scale
 from ember.kernels.launch import next_power_of_2, pdl_options, warps_for_block
+from ember.kernels.store_kv import quantize_fp8, soft_fp8
+
+FP8_MAX = tl.constexpr(fp8_quant.FP8_MAX)  # jit globals must be constexpr
+MIN_SCALE = tl.constexpr(fp8_quant.MIN_SCALE)
 
 
 @triton.jit
@@ -36,6 +47,7 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr,
     res_out_ptr,
+    scale_ptr,
     stride_xa,
     stride_xb,
     stride_ra,
@@ -45,6 +57,8 @@ def _rms_norm_kernel(
     n_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,
+    SOFT: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -66,6 +80,11 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
         tl.store(res_out_ptr + a * stride_oa + b * stride_ob + offs, x, mask=mask)
     y = _normalized(x, tl.load(w_ptr + offs, mask=mask, other=0.0), n_cols, eps)
+    if QUANT:  # float8_e4m3fn rows (2-D only) and their scales, from the half-precision output
+        y = y.to(in_ty).to(tl.float32)
+        scale, inv = per_token_scale(tl.max(tl.abs(y), 0), FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + a, scale)
+        y = quantize_fp8(y, inv, FP8_MAX, SOFT)
     tl.store(out_ptr + a * stride_oa + b * stride_ob + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -86,13 +105,18 @@ def _row_strides(x: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """With ``scales`` ([rows] float32) the output is float8_e4m3fn, x 2-D."""
     shape = x.shape
     n = shape[-1]
     assert weight.shape == (n,) and weight.stride(0) == 1, "weight must be [hidden], contiguous"
     xr = _as_rows(x)
-    out = torch.empty(xr.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    quant = scales is not None
+    assert not quant or xr.dim() == 2
+    out = torch.empty(xr.shape, dtype=torch.float8_e4m3fn if quant else
+                      torch.promote_types(weight.dtype, x.dtype), device=x.device)
     res_out = None
     rr = xr
     if residual is not None:
@@ -109,9 +133,9 @@ def _launch(
         block = next_power_of_2(n)
         _rms_norm_kernel[(rows_a, rows_b)](
             xr, rr, weight, out, out if res_out is None else res_out,
-            sxa, sxb, sra, srb, soa, sob, n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=warps_for_block(block),
-            **pdl_options(x),
+            scales if quant else weight, sxa, sxb, sra, srb, soa, sob, n, eps,
+            HAS_RESIDUAL=residual is not None, QUANT=quant, SOFT=soft_fp8(x), BLOCK=block,
+            num_warps=warps_for_block(block), **pdl_options(x),
         )  # fmt: skip
     out = out.view(shape)
     return out, None if res_out is None else res_out.view(shape)
@@ -135,6 +159,17 @@ def fused_add_rms_norm(
     out, new_residual = _launch(x, residual, weight, eps)
     assert new_residual is not None
     return out, new_residual
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q, scales, x + residual or None): ``rms_norm(x + residual)`` for an fp8 layer, as
+    float8_e4m3fn [T, hidden] and float32 scales [T, 1] with q * scales ~= the half-precision
+    norm (``per_token_fp8`` of it, bit for bit). x: [T, hidden]."""
+    scales = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    q, new_residual = _launch(x, residual, weight, eps, scales)
+    return q, scales, new_residual
 
 
 @triton.jit

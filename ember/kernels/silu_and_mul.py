@@ -1,7 +1,9 @@
 """SiLU-and-mul: ``silu(x[..., :d]) * x[..., d:]``, the gate of a fused gate_up projection.
 
 Torch rounds silu(gate) to the half dtype before the multiply; so does this kernel (SiLU's exp
-and division may still differ from torch by an ulp).
+and division may still differ from torch by an ulp). ``silu_and_mul_fp8`` writes the product
+quantized for an fp8 down projection instead (float8_e4m3fn and one scale per row, what
+ember.kernels.fp8_quant.per_token_fp8 would make of the half-precision product).
 """
 
 from __future__ import annotations
@@ -10,7 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels import fp8_quant
+from ember.kernels.fp8_quant import per_token_scale
 from ember.kernels.launch import cdiv, next_power_of_2, pdl_options, warps_for_block
+from ember.kernels.store_kv import quantize_fp8, soft_fp8
+
+FP8_MAX = tl.constexpr(fp8_quant.FP8_MAX)  # jit globals must be constexpr
+MIN_SCALE = tl.constexpr(fp8_quant.MIN_SCALE)
 
 
 @triton.jit
@@ -31,6 +39,40 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.cons
     tl.store(out_ptr + tok * stride_out + offs, (act * up).to(ty), mask=mask)
 
 
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, d,
+                             BLOCK: tl.constexpr, SOFT: tl.constexpr, PDL: tl.constexpr):
+    # One program per token: the row's largest magnitude first, then the quantized row (the
+    # second pass reads gate and up again, from L2, and recomputes the product).
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tok = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + tok * stride_x
+    ty = x_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, d, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(_silu_mul_row(x_row, offs, d, ty)))
+    scale, inv = per_token_scale(tl.max(amax, 0), FP8_MAX, MIN_SCALE)
+    tl.store(scale_ptr + tok, scale)
+    for start in range(0, d, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        q = quantize_fp8(_silu_mul_row(x_row, offs, d, ty), inv, FP8_MAX, SOFT)
+        tl.store(q_ptr + tok * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < d)
+
+
+@triton.jit
+def _silu_mul_row(x_row, offs, d, ty):
+    """silu(gate) * up at ``offs`` of one row, rounded to the half dtype ``ty`` (as torch's),
+    in float32."""
+    mask = offs < d
+    gate = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + d + offs, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
+    return (act * up).to(ty).to(tl.float32)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2d] -> silu(x[..., :d]) * x[..., d:], a new contiguous [..., d] tensor."""
     d = x.shape[-1] // 2
@@ -47,3 +89,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         **pdl_options(x2),
     )
     return out
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, 2d] -> (q float8_e4m3fn [T, d], scales float32 [T, 1]) with q * scales ~=
+    silu_and_mul(x) (``per_token_fp8`` of it, bit for bit)."""
+    d = x.shape[-1] // 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty(x.shape[0], d, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    if q.numel() == 0:
+        return q, scales
+    block = min(next_power_of_2(d), 2048)
+    _silu_and_mul_fp8_kernel[(x.shape[0],)](
+        x, q, scales, x.stride(0), q.stride(0), d, BLOCK=block, SOFT=soft_fp8(x),
+        num_warps=warps_for_block(block), **pdl_options(x),
+    )
+    return q, scales

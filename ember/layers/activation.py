@@ -1,5 +1,7 @@
 """Gated activations for the fused gate_up projection (one Triton kernel on CUDA in half
-precision, ember.kernels.silu_and_mul; the torch ops elsewhere)."""
+precision, ember.kernels.silu_and_mul; the torch ops elsewhere). Given the down projection
+(``quant_for``), the kernel writes the product already quantized when that layer asks for it
+(an fp8 layer), as a QuantizedActivation."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from torch import nn
 
 from ember import kernels
 from ember.kernels import dispatch
+from ember.kernels.config import kernel_config
+from ember.layers.linear import Linear, QuantizedActivation
 
 
 class SiluAndMul(nn.Module):
@@ -18,9 +22,14 @@ class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.use_kernel = dispatch.layer_kernels_enabled()
+        self.quantized_producer = self.use_kernel and kernel_config().quantized_producers
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                quant_for: Linear | None = None) -> torch.Tensor | QuantizedActivation:
         if self.use_kernel and dispatch.takes_kernel(x):
+            if (self.quantized_producer and quant_for is not None and x.dim() == 2
+                    and quant_for.quantized_input_dtype(x) == torch.float8_e4m3fn):
+                return QuantizedActivation(*kernels.silu_and_mul.silu_and_mul_fp8(x))
             return kernels.silu_and_mul.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

@@ -27,7 +27,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +61,22 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
         setattr(param, key, value)
 
 
+class QuantizedActivation(NamedTuple):
+    """A linear layer's input as the kernel that wrote it quantized it (RMSNorm, SiLU-and-mul:
+    ``Linear.quantized_input_dtype``): ``data`` in that dtype [rows, in], ``scale`` float32
+    [rows, 1], data * scale ~= the half-precision activations."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
 class LinearMethod:
     """How a linear layer stores and computes its weight (vLLM's LinearMethodBase)."""
+
+    def quantized_input_dtype(self, layer: Linear, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype this layer would rather be given ``x`` in, quantized per row by the kernel
+        that writes it (``apply`` then gets a QuantizedActivation), or None: x as it is."""
+        return None
 
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:  # fmt: skip
@@ -177,8 +191,12 @@ class Linear(nn.Module):
                 set_weight_attrs(param, attrs)
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
+
+    def quantized_input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """See LinearMethod.quantized_input_dtype; producers ask before writing ``x``."""
+        return self.quant_method.quantized_input_dtype(self, x)
 
     def extra_repr(self) -> str:
         method = type(self.quant_method).__name__

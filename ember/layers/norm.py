@@ -2,7 +2,10 @@
 casting back), so float32 and bfloat16 models both match HF bit for bit.
 
 On CUDA in half precision the norm (and the residual add before it, ``forward_with_residual``)
-runs as one Triton kernel instead (ember.kernels.rms_norm); elsewhere the torch ops.
+runs as one Triton kernel instead (ember.kernels.rms_norm); elsewhere the torch ops. Given the
+linear layer it feeds (``quant_for``), the kernel writes the rows already quantized when that
+layer asks for it (an fp8 layer: ``Linear.quantized_input_dtype``), and the result is a
+QuantizedActivation.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from torch import nn
 
 from ember import kernels
 from ember.kernels import dispatch
+from ember.kernels.config import kernel_config
+from ember.layers.linear import Linear, QuantizedActivation
 
 
 class RMSNorm(nn.Module):
@@ -23,24 +28,36 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self._shape = (hidden_size,)
         self.use_kernel = dispatch.layer_kernels_enabled()
+        self.quantized_producer = self.use_kernel and kernel_config().quantized_producers
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                quant_for: Linear | None = None) -> torch.Tensor | QuantizedActivation:
         if self.use_kernel and dispatch.takes_kernel(x):
+            if self._quantizes_for(quant_for, x):
+                q, scale, _ = kernels.rms_norm.rms_norm_fp8(x, self.weight, self.eps)
+                return QuantizedActivation(q, scale)
             return kernels.rms_norm.rms_norm(x, self.weight, self.eps)
         return self._forward_torch(x)
 
     def forward_with_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor, quant_for: Linear | None = None
+    ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
         """(norm(x + residual), x + residual): a block's residual add fused with the next norm.
 
         ``x`` (a branch output the caller no longer needs) may be overwritten with the sum.
         """
         if self.use_kernel and dispatch.takes_kernel(x):
+            if self._quantizes_for(quant_for, x):
+                q, scale, h = kernels.rms_norm.rms_norm_fp8(x, self.weight, self.eps, residual)
+                return QuantizedActivation(q, scale), h
             return kernels.rms_norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
         # In place, as the decoder always did (branch.add_(residual)): no extra allocation.
         h = x.add_(residual)
         return self._forward_torch(h), h
+
+    def _quantizes_for(self, layer: Linear | None, x: torch.Tensor) -> bool:
+        return (self.quantized_producer and layer is not None and x.dim() == 2
+                and layer.quantized_input_dtype(x) == torch.float8_e4m3fn)
 
     def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:

@@ -24,6 +24,7 @@ from ember.attention_backends.base import AttentionBackend
 from ember.distributed import parallel_state as ps
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import Attention, ForwardContext
+from ember.layers.linear import QuantizedActivation
 from ember.layers.norm import RMSNorm
 from ember.layers.parallel_linear import (
     MergedColumnParallelLinear,
@@ -94,10 +95,11 @@ class DecoderAttention(nn.Module):
     def shard_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor,
-                sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
+    def forward(self, x: torch.Tensor | QuantizedActivation, rope: RotaryEmbedding,
+                cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        t = qkv.shape[0]
+        q, k, v = qkv.split(self.shard_sizes(), dim=-1)
         q = q.view(t, self.num_heads, self.head_size)
         k = k.view(t, self.num_kv_heads, self.head_size)
         # Qwen3's per-head norms go with the rotation (on CUDA, one kernel for the three).
@@ -126,8 +128,8 @@ class DecoderMLP(nn.Module):
     def shard_sizes(self) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x), quant_for=self.down_proj))
 
 
 class DecoderLayer(nn.Module):
@@ -150,16 +152,20 @@ class DecoderLayer(nn.Module):
         still to be added to: the next norm does that add (as vLLM does), so that on CUDA the
         add and the norm are one fused kernel. Without the fused kernels the arithmetic is
         HF's, op for op (branch + residual, then norm), so float32 results agree exactly."""
+        # The norms are told the projection they feed: an fp8 one takes its input quantized by
+        # the norm's kernel (ember.layers.norm).
+        qkv_proj = self.self_attn.qkv_proj
         if residual is None:
             residual = h
-            x = self.input_layernorm(h)
+            x = self.input_layernorm(h, quant_for=qkv_proj)
         else:
-            x, residual = self.input_layernorm.forward_with_residual(h, residual)
+            x, residual = self.input_layernorm.forward_with_residual(h, residual, qkv_proj)
         h = self.self_attn(x, rope, cos, sin, ctx)
         after_norm = getattr(self.mlp, "forward_after_norm", None)
         if after_norm is not None:  # the block may fuse the norm (the MoE router does)
             return after_norm(h, residual, self.post_attention_layernorm)
-        x, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        x, residual = self.post_attention_layernorm.forward_with_residual(
+            h, residual, self.mlp.gate_up_proj)
         return self.mlp(x), residual
 
 

@@ -2,7 +2,10 @@
 token as each layer runs, multiplied by torch._scaled_mm (cuBLASLt's fp8 GEMM, row-wise scales).
 At decode batch sizes (up to 16 rows, on CUDA) the weight streams through ember.kernels.fp8_gemv
 instead: W8A8 on the fp8 tensor cores too, the activations quantized inside the kernel with a
-power-of-two scale per row and K tile (no second kernel).
+power-of-two scale per row and K tile (no second kernel). Where the kernel before the layer can
+write its output quantized (RMSNorm before qkv and gate_up, SiLU-and-mul before down: they ask
+``quantized_input_dtype``), the layer gets float8_e4m3fn rows with their per-token scales and
+skips its own quantization at every batch size.
 
 Two ways in:
 - fp8 checkpoints: compressed-tensors' "float-quantized" format (quant_method
@@ -36,6 +39,7 @@ from ember.kernels.tuning import SMALL_BATCH_LINEAR_MAX_ROWS
 from ember.layers.linear import (
     Linear,
     LinearMethod,
+    QuantizedActivation,
     param_owner,
     shard_offset_size,
     tp_slice,
@@ -135,14 +139,29 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         xq, x_scale = per_token_fp8_torch(x2)  # inductor fuses these; no triton launch traced
     else:
         xq, x_scale = kernels.fp8_quant.per_token_fp8(x2)
+    y = fp8_linear_quantized(QuantizedActivation(xq, x_scale), weight, weight_scale, bias,
+                             x.dtype)
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+def fp8_linear_quantized(x: QuantizedActivation, weight: torch.Tensor,
+                         weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                         out_dtype: torch.dtype, small_batch_rows: int = 0) -> torch.Tensor:
+    """fp8_linear of activations already quantized per token (x.data float8_e4m3fn [rows, in],
+    x.scale float32 [rows, 1]), in ``out_dtype``: up to ``small_batch_rows`` rows through
+    ember.kernels.fp8_gemv, else cuBLASLt."""
+    if x.data.shape[0] <= small_batch_rows:
+        from ember.kernels.fp8_gemv import fp8_gemv
+
+        return fp8_gemv(x.data, weight, weight_scale, bias, x_scale=x.scale, out_dtype=out_dtype)
     # Row-wise scaling in cuBLASLt writes bf16; a float16 model casts the result back.
-    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
-                         out_dtype=torch.bfloat16)
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
+    y = torch._scaled_mm(x.data, weight.t(), scale_a=x.scale,
+                         scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
+    if y.dtype != out_dtype:
+        y = y.to(out_dtype)
     if bias is not None:
         y = y + bias
-    return y.view(*shape[:-1], y.shape[-1])
+    return y
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -161,6 +180,7 @@ class Fp8LinearMethod(LinearMethod):
         # (gate_up 33.9 against 48.8 us at 16).
         layer.small_batch_max_rows = (SMALL_BATCH_LINEAR_MAX_ROWS
                                       if dispatch.layer_kernels_enabled() else 0)
+        layer.activation_dtype = dtype
         weight_dtype = FP8 if self.serialized else dtype
         layer.register_weight("weight", nn.Parameter(torch.empty(out, input_size,
                                                                  dtype=weight_dtype),
@@ -184,7 +204,15 @@ class Fp8LinearMethod(LinearMethod):
         layer.register_weight("weight_scale", nn.Parameter(scale, requires_grad=False),
                               {"output_dim": 0, "weight_loader": _load_weight_scale})
 
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def quantized_input_dtype(self, layer: Linear, x: torch.Tensor) -> torch.dtype | None:
+        # Where the producers' kernels run (CUDA, half precision, not traced by torch.compile).
+        return FP8 if dispatch.takes_kernel(x) else None
+
+    def apply(self, layer: Linear, x: torch.Tensor | QuantizedActivation,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, QuantizedActivation):
+            return fp8_linear_quantized(x, layer.weight, layer.weight_scale, bias,
+                                        layer.activation_dtype, layer.small_batch_max_rows)
         return fp8_linear(x, layer.weight, layer.weight_scale, bias, layer.small_batch_max_rows)
 
     def dequantize_weight(self, layer: Linear) -> torch.Tensor:
