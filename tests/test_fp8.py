@@ -359,8 +359,10 @@ for rule, split, x_fp8 in [(r, s, f) for r in TUNING.fp8_gemv for s in (1, 4)
                            for f in (False, True)]:
     cfg = rule.config
     sig = dict(x_ptr="*fp8e4nv" if x_fp8 else "*bf16", x_scale_ptr="*fp32", w_ptr="*fp8e4nv",
-               w_scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
-               counters_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
+               w_scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
+               # as split_k_launch passes them: unsplit, both are the output tensor
+               part_ptr="*fp32" if split > 1 else "*bf16",
+               counters_ptr="*i32" if split > 1 else "*bf16", M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_om="i32", k_per_split="i32")
     consts = dict(BLOCK_M=g.MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
                   HAS_BIAS=False, X_FP8=x_fp8, SOFT=False, PDL=True)

@@ -45,14 +45,17 @@ def split_k_total(acc, part_ptr, counters_ptr, tile_id, pid_k, offsets, mask, ti
     stored at ``part_ptr + pid_k * tile_numel + offsets``; the program that finishes tile
     ``tile_id`` last gets the sum of every split's partial and True, the others their own
     ``acc`` and False (they have nothing left to write)."""
+    # One branch is compiled (SPLIT_K is a constexpr); with one split the two buffers are the
+    # launch's output tensor, which an early return would still have compiled atomics on.
     if SPLIT_K == 1:
-        return acc, True
-    tl.store(part_ptr + pid_k * tile_numel + offsets, acc, mask=mask)
-    last = tl.atomic_add(counters_ptr + tile_id, 1, sem="acq_rel") == SPLIT_K - 1
-    if last:
-        acc = tl.zeros_like(acc)
-        for split in tl.static_range(SPLIT_K):
-            acc += tl.load(part_ptr + split * tile_numel + offsets, mask=mask, other=0.0,
-                           cache_modifier=".cg")
-        tl.atomic_xchg(counters_ptr + tile_id, 0)
+        last = True
+    else:
+        tl.store(part_ptr + pid_k * tile_numel + offsets, acc, mask=mask)
+        last = tl.atomic_add(counters_ptr + tile_id, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
+            acc = tl.zeros_like(acc)
+            for split in tl.static_range(SPLIT_K):
+                acc += tl.load(part_ptr + split * tile_numel + offsets, mask=mask, other=0.0,
+                               cache_modifier=".cg")
+            tl.atomic_xchg(counters_ptr + tile_id, 0)
     return acc, last
