@@ -130,7 +130,8 @@ def bench_fp8(name: str, n: int, k: int, rows: list[int], norm: torch.Tensor | N
                                        atol=1e-2 * want.abs().max().item())
             fitting.append(cfg)
         row = {"shape": name, "n": n, "k": k, "rows": m, "norm": norm is not None, "fp8": True,
-               "default_config": list(fp8_gemv_config(n, k, x.device))}
+               "default_config": list(fp8_gemv_config(n, k, x.device)),
+               "quantized_x_default_config": list(fp8_gemv_config(n, k, x.device, True))}
         row["cublas_bf16_us"] = time_calls(F.linear, x, bf16_ws, norm)
         # The layer's path above its small-batch rows: per-token quantization + cuBLASLt fp8.
         row["scaled_mm_us"] = time_calls(lambda xx, w: fp8_linear(xx, w, scale, None), x,

@@ -98,14 +98,16 @@ def _power_of_two_scale(amax):
     return scale, ((254 - exp) << 23).to(tl.float32, bitcast=True)
 
 
-def fp8_gemv_config(n: int, k: int, device: torch.device | None = None) -> Fp8GemvConfig:
-    """The tuned tiles for an [n, k] fp8 weight on ``device`` (ember.kernels.tuning)."""
-    return _tuned_config(tuning_for(device), n, k)
+def fp8_gemv_config(n: int, k: int, device: torch.device | None = None,
+                    quantized_x: bool = False) -> Fp8GemvConfig:
+    """The tuned tiles for an [n, k] fp8 weight on ``device`` (ember.kernels.tuning), for x in
+    16-bit or (``quantized_x``) already in fp8."""
+    return _tuned_config(tuning_for(device), n, k, quantized_x)
 
 
 @functools.lru_cache(maxsize=1024)
-def _tuned_config(tuning: DeviceTuning, n: int, k: int) -> Fp8GemvConfig:
-    return tuning.fp8_gemv_config(n, k)
+def _tuned_config(tuning: DeviceTuning, n: int, k: int, quantized_x: bool) -> Fp8GemvConfig:
+    return tuning.fp8_gemv_config(n, k, quantized_x)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -132,7 +134,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     if m == 0 or n == 0:
         return out
     block_n, block_k, split_k, num_warps, num_stages = Fp8GemvConfig(
-        *(config or fp8_gemv_config(n, k, x.device)))
+        *(config or fp8_gemv_config(n, k, x.device, x_fp8)))
     n_tiles = cdiv(n, block_n)
     if split_k == 0:  # enough splits for one program an SM, each at least two K tiles
         split_k = max(1, min(cdiv(num_sms(x.device), n_tiles), k // (2 * block_k)))

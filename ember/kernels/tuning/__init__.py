@@ -116,6 +116,8 @@ class DeviceTuning:
     # First matching rule wins; the last should match every shape.
     small_batch_linear: tuple[LinearRule, ...]
     fp8_gemv: tuple[LinearRule, ...] = ()
+    # fp8_gemv given x already quantized (no quantization in the loop: other tiles win)
+    fp8_gemv_quantized_x: tuple[LinearRule, ...] = ()
 
     def linear_config(self, n: int, k: int) -> SmallBatchLinearConfig:
         for rule in self.small_batch_linear:
@@ -123,8 +125,8 @@ class DeviceTuning:
                 return rule.config
         return SmallBatchLinearConfig(32, 256)
 
-    def fp8_gemv_config(self, n: int, k: int) -> Fp8GemvConfig:
-        for rule in self.fp8_gemv:
+    def fp8_gemv_config(self, n: int, k: int, quantized_x: bool = False) -> Fp8GemvConfig:
+        for rule in self.fp8_gemv_quantized_x if quantized_x else self.fp8_gemv:
             if rule.matches(n, k):
                 return rule.config
         return Fp8GemvConfig(64, 256)
