@@ -125,7 +125,7 @@ def test_producers_hand_fp8_layers_quantized_rows(monkeypatch):
     feed, write float8_e4m3fn rows and per-token scales equal bit for bit to per_token_fp8 of
     their half-precision output, and the layer computes on them as given; a layer that does
     not ask, or KernelConfig(quantized_producers=False), gets the half-precision rows."""
-    from ember.kernels import dispatch
+    from ember.kernels import dispatch, silu_and_mul
     from ember.kernels.config import KernelConfig, use_kernel_config
     from ember.layers.activation import SiluAndMul
     from ember.layers.linear import Linear, QuantizedActivation
@@ -161,10 +161,16 @@ def test_producers_hand_fp8_layers_quantized_rows(monkeypatch):
     check(got, half_rows)
     act, gate_up = SiluAndMul(), torch.randn(5, 2 * 256, device=DEV).half() * 4
     check(act(gate_up, quant_for=layer), act(gate_up))
+    wide = torch.randn(2, 2 * 20000, device=DEV).half() * 4  # two passes over the row
+    q, scale = silu_and_mul.silu_and_mul_fp8(wide)
+    want_q, want_scale = per_token_fp8(act(wide))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
     plain_layer = Linear(256, 48, bias=False, dtype=torch.float16, device=DEV)
     assert isinstance(norm(x, quant_for=plain_layer), torch.Tensor)
     with use_kernel_config(KernelConfig(quantized_producers=False)):
-        assert isinstance(RMSNorm(256, 1e-6, torch.float16)(x, quant_for=layer), torch.Tensor)
+        assert isinstance(RMSNorm(256, 1e-6, torch.float16).to(DEV)(x, quant_for=layer),
+                          torch.Tensor)
         assert isinstance(SiluAndMul()(gate_up, quant_for=layer), torch.Tensor)
 
 

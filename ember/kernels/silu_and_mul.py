@@ -19,6 +19,9 @@ from ember.kernels.store_kv import quantize_fp8, soft_fp8
 
 FP8_MAX = tl.constexpr(fp8_quant.FP8_MAX)  # jit globals must be constexpr
 MIN_SCALE = tl.constexpr(fp8_quant.MIN_SCALE)
+# Columns one program of silu_and_mul_fp8 holds (32 warps, 16 per thread): Llama-8B's 14,336
+# in one pass.
+FP8_BLOCK_MAX = 16384
 
 
 @triton.jit
@@ -42,24 +45,35 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.cons
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, d,
                              BLOCK: tl.constexpr, SOFT: tl.constexpr, PDL: tl.constexpr):
-    # One program per token: the row's largest magnitude first, then the quantized row (the
-    # second pass reads gate and up again, from L2, and recomputes the product).
+    # One program per token, as wide as the row (up to BLOCK_MAX columns: one load round trip,
+    # the largest magnitude, the quantized row). A wider row takes two passes, the second
+    # reading gate and up again (from L2) and recomputing the product. At decode batch sizes a
+    # handful of programs run, so a narrow program looping over the row would be latency-bound.
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + tok * stride_x
+    q_row = q_ptr + tok * stride_q
     ty = x_ptr.dtype.element_ty
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, d, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(_silu_mul_row(x_row, offs, d, ty)))
-    scale, inv = per_token_scale(tl.max(amax, 0), FP8_MAX, MIN_SCALE)
-    tl.store(scale_ptr + tok, scale)
-    for start in range(0, d, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        q = quantize_fp8(_silu_mul_row(x_row, offs, d, ty), inv, FP8_MAX, SOFT)
-        tl.store(q_ptr + tok * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < d)
+    if BLOCK >= d:
+        offs = tl.arange(0, BLOCK)
+        y = _silu_mul_row(x_row, offs, d, ty)
+        scale, inv = per_token_scale(tl.max(tl.abs(y), 0), FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + tok, scale)
+        q = quantize_fp8(y, inv, FP8_MAX, SOFT)
+        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < d)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, d, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(_silu_mul_row(x_row, offs, d, ty)))
+        scale, inv = per_token_scale(tl.max(amax, 0), FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + tok, scale)
+        for start in range(0, d, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            q = quantize_fp8(_silu_mul_row(x_row, offs, d, ty), inv, FP8_MAX, SOFT)
+            tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < d)
 
 
 @triton.jit
@@ -101,9 +115,9 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
     if q.numel() == 0:
         return q, scales
-    block = min(next_power_of_2(d), 2048)
+    block = min(next_power_of_2(d), FP8_BLOCK_MAX)
     _silu_and_mul_fp8_kernel[(x.shape[0],)](
         x, q, scales, x.stride(0), q.stride(0), d, BLOCK=block, SOFT=soft_fp8(x),
-        num_warps=warps_for_block(block), **pdl_options(x),
+        num_warps=max(4, min(32, block // 512)), **pdl_options(x),
     )
     return q, scales
