@@ -13,8 +13,10 @@ _pdl0 / _pdl1); --norm puts a fused RMSNorm before every call, as in a decoder l
 is then in every time, cuBLAS's too).
 --fp8 times ember.kernels.fp8_gemv instead (float8_e4m3fn weights with per-channel scales, W8A8
 on fp8 tensor cores) over its tile configs, against cuBLAS's bf16 call of the same shape and the
-fp8 layer's path above 16 rows (per-token quantization + cuBLASLt, ``scaled_mm_us``); its
-fractions count one byte a weight.
+fp8 layer's path above 16 rows (per-token quantization + cuBLASLt, ``scaled_mm_us``), and again
+with x already quantized per token, as the norms and SiLU-and-mul hand it over (``prequant_*``;
+``quant_then_gemv_us``: with the quantization as a kernel of its own); its fractions count one
+byte a weight.
 The kernel is checked against F.linear first. Sweeps the tiles and prints, per shape, the best
 config and whether it beats cuBLAS: the input to the device's rules in ember.kernels.tuning and
 to the weight-size limits in ember.layers.linear.
@@ -233,11 +235,7 @@ def main() -> None:
             results.append(row)
             print(f"{name:16s} m={m}: cublas {row['cublas_us']:7.2f} us "
                   f"({row['cublas_fraction_of_copy']:.0%}), best triton {best[0]:7.2f} us "
-                  f"({row['best_fraction_of_copy']:.0%}) {best[1]}; x quantized before: default "
-              f"{row['prequant_default_us']:7.2f} us "
-              f"({row['prequant_default_fraction_of_copy']:.0%}), best "
-              f"{row['prequant_best_us']:7.2f} us ({row['prequant_best_fraction_of_copy']:.0%}) "
-              f"{row['prequant_best']}")
+                  f"({row['best_fraction_of_copy']:.0%}) {best[1]}")
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump({"copy_bandwidth_Bps": copy_bw, "results": results}, f, indent=1)
