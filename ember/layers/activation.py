@@ -12,7 +12,7 @@ from torch import nn
 from ember import kernels
 from ember.kernels import dispatch
 from ember.kernels.config import kernel_config
-from ember.layers.linear import Linear, QuantizedActivation
+from ember.layers.linear import Linear, QuantizedActivation, wants_fp8_input
 
 
 class SiluAndMul(nn.Module):
@@ -27,8 +27,7 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor,
                 quant_for: Linear | None = None) -> torch.Tensor | QuantizedActivation:
         if self.use_kernel and dispatch.takes_kernel(x):
-            if (self.quantized_producer and quant_for is not None and x.dim() == 2
-                    and quant_for.quantized_input_dtype(x) == torch.float8_e4m3fn):
+            if self.quantized_producer and wants_fp8_input(quant_for, x):
                 return QuantizedActivation(*kernels.silu_and_mul.silu_and_mul_fp8(x))
             return kernels.silu_and_mul.silu_and_mul(x)
         d = x.shape[-1] // 2

@@ -70,6 +70,13 @@ class QuantizedActivation(NamedTuple):
     scale: torch.Tensor
 
 
+def wants_fp8_input(layer: Linear | None, x: torch.Tensor) -> bool:
+    """Whether the kernel about to write ``x`` (2-D) for ``layer`` should write it as
+    float8_e4m3fn rows with per-row scales (a QuantizedActivation)."""
+    return (layer is not None and x.dim() == 2
+            and layer.quantized_input_dtype(x) == torch.float8_e4m3fn)
+
+
 class LinearMethod:
     """How a linear layer stores and computes its weight (vLLM's LinearMethodBase)."""
 

@@ -16,7 +16,7 @@ from torch import nn
 from ember import kernels
 from ember.kernels import dispatch
 from ember.kernels.config import kernel_config
-from ember.layers.linear import Linear, QuantizedActivation
+from ember.layers.linear import Linear, QuantizedActivation, wants_fp8_input
 
 
 class RMSNorm(nn.Module):
@@ -56,8 +56,7 @@ class RMSNorm(nn.Module):
         return self._forward_torch(h), h
 
     def _quantizes_for(self, layer: Linear | None, x: torch.Tensor) -> bool:
-        return (self.quantized_producer and layer is not None and x.dim() == 2
-                and layer.quantized_input_dtype(x) == torch.float8_e4m3fn)
+        return self.quantized_producer and wants_fp8_input(layer, x)
 
     def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
