@@ -8,6 +8,7 @@ bound by the host (wall >> device) or by the device.
 Usage: python -m ember.bench.profile_steps --model ember/configs/qwen3-0.6b [--steps 20] [--out F]
 Batch 1 (the single-stream case): add --num-requests 1 --input-len 128 128 --output-len 600 600
 --no-pdl: each kernel's device time without the wait that PDL folds into it.
+--quantization fp8 (or another method): the model quantized as LLM(quantization=...) would.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def main() -> None:
     parser.add_argument("--no-pdl", action="store_true",
                         help="launch without programmatic dependent launch, so each kernel's "
                              "profiled time is its own (with PDL it includes its wait)")
+    parser.add_argument("--quantization", default=None,
+                        help="quantize the dummy model at load (e.g. fp8)")
     parser.add_argument("--out", default=None)
     ns = parser.parse_args()
     if ns.no_pdl:
@@ -88,7 +91,8 @@ def main() -> None:
         set_kernel_config(KernelConfig(pdl=False))
 
     engine = LLMEngine(EngineArgs(model=ns.model, load_format="dummy", skip_tokenizer_init=True,
-                                  max_model_len=4096, show_progress=False))
+                                  max_model_len=4096, show_progress=False,
+                                  quantization=ns.quantization))
     vocab = engine.model_config.vocab_size
     work = random_workload(ns.num_requests, tuple(ns.input_len), tuple(ns.output_len), vocab, 0)
     for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
@@ -121,7 +125,8 @@ def main() -> None:
     table = events.table(sort_by="self_device_time_total", row_limit=25)
     host = events.table(sort_by="self_cpu_time_total", row_limit=25)
     summary = {
-        "model": ns.model, "steps": ns.steps, "running": len(_engine_core(engine).scheduler.running),
+        "model": ns.model, "quantization": ns.quantization, "steps": ns.steps,
+        "running": len(_engine_core(engine).scheduler.running),
         "plain_wall_ms_per_step": plain_ms,
         "profiled_wall_ms_per_step": 1000 * wall / ns.steps,
         "device_busy_ms_per_step": device_us / 1000 / ns.steps,
