@@ -1,6 +1,7 @@
 """`compile_model=True` (torch.compile of the whole forward, the attention layers one opaque op
 each) gives the eager engine's tokens: prefill, chunked prefill mixed with decodes, and decode
-steps, on two decoder variants; dynamo breaks no graph."""
+steps, on two decoder variants; dynamo breaks no graph, and the steps after start-up compile
+nothing new (what lets the runner skip dynamo's full guard check after the warm-up)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,17 @@ def test_compiled_model_equals_eager(arch, tmp_path):
 
     counters.clear()
     llm = LLM(path, compile_model=True, **kwargs)
+    runner = llm.llm_engine.executor.runner
+    assert runner.skip_guards
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2  # one token, and any other count (dynamo specializes 1)
+    runner.skip_guards = False  # every guard checked: would a step compile a new graph?
+    checked = llm.generate(prompts, params, use_tqdm=False)
+    assert counters["stats"]["unique_graphs"] == graphs
+    runner.skip_guards = True
     got = llm.generate(prompts, params, use_tqdm=False)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    want = [o.outputs[0].token_ids for o in expected]
+    assert [o.outputs[0].token_ids for o in checked] == want
+    assert [o.outputs[0].token_ids for o in got] == want
     assert_all_blocks_free(llm)
