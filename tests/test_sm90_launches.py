@@ -30,8 +30,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import ember.kernels
-from ember.kernels import (argmax, fp8_gemv, fp8_quant, int4_gemv, rms_norm, rotary,
-                           silu_and_mul, small_batch_linear, store_kv)
+from ember.kernels import (argmax, fp8_gemv, fp8_quant, gguf_matmul, int4_gemm, int4_gemv,
+                           rms_norm, rotary, silu_and_mul, small_batch_linear, store_kv)
 
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
          torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
@@ -136,7 +136,18 @@ for split in (1, 4):  # unsplit launches pass their output as the merge's buffer
          lambda split=split: fp8_gemv.fp8_gemv(x8, w8, w_scale, config=(64, 256, split, 4, 4),
                                                x_scale=x_scale)),
     ]
+codes4 = gguf_matmul.pack_nibbles(torch.randint(0, 16, (n, k), dtype=torch.uint8))
+codes8 = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+gscale, gmin = torch.rand(n, k // 32), torch.rand(n, k // 32)
 cases += [
+    (int4_gemm, "_int4_gemm_kernel",
+     lambda: int4_gemm.int4_gemm(torch.randn(64, k).to(bf), qweight, qzeros, scales, group)),
+    (gguf_matmul, "_gguf_matmul_kernel",  # Q4_1's codes: 4-bit with a minimum
+     lambda: gguf_matmul.gguf_matmul(x, codes4, gscale, gmin, offset=0, group=32, bits=4, n=n,
+                                     k=k)),
+    (gguf_matmul, "_gguf_matmul_kernel",  # Q8_0's: 8-bit, offset 128
+     lambda: gguf_matmul.gguf_matmul(torch.randn(64, k).to(bf), codes8, gscale, None,
+                                     offset=128, group=32, bits=8, n=n, k=k)),
     (rms_norm, "_rms_norm_kernel", lambda: rms_norm.rms_norm(rows, norm_w, 1e-6)),
     (rms_norm, "_rms_norm_kernel", lambda: rms_norm.fused_add_rms_norm(rows, rows, norm_w, 1e-6)),
     (rms_norm, "_rms_norm_kernel", lambda: rms_norm.rms_norm_fp8(rows, norm_w, 1e-6, rows)),
@@ -168,4 +179,4 @@ def test_kernels_compile_for_sm90_as_launched():
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.strip().endswith("compiled 24"), proc.stdout[-2000:]
+    assert proc.stdout.strip().endswith("compiled 27"), proc.stdout[-2000:]
