@@ -34,6 +34,15 @@ def check_idle_report(report: dict) -> None:
     assert report["requests_holding_blocks"] == 0, report
 
 
+def sm90_compile_env() -> dict[str, str]:
+    """The environment of a script compiling kernels for sm90 (tests/sm90_launch.py): no
+    interpreter, this directory importable."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    return env
+
+
 def assert_all_blocks_free(llm_or_engine) -> None:
     """Every KV block is free and no request is left, in the front end or the engine core
     (an LLM or LLMEngine, with its core in this process or in its own)."""

@@ -355,32 +355,21 @@ def test_fp8_model_with_quantized_producers(tmp_path, monkeypatch):
 
 _SM90_SCRIPT = r'''
 import re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import torch
+from sm90_launch import compile_as_launched
 from ember.kernels import fp8_gemv as g
 from ember.kernels.tuning.nvidia_h200 import TUNING
 
-kernel = g._fp8_gemv_kernel
-names = kernel.arg_names
+n = k = 4096
+x = torch.randn(1, k).bfloat16()
+w, w_scale = torch.randn(n, k).to(torch.float8_e4m3fn), torch.rand(n)
+x8, x_scale = x.to(torch.float8_e4m3fn), torch.rand(1, 1)
 rules = [(r, False) for r in TUNING.fp8_gemv] + [(r, True) for r in TUNING.fp8_gemv_quantized_x]
 for rule, x_fp8, split in [(r, f, s) for r, f in rules for s in (1, 4)]:
-    cfg = rule.config
-    sig = dict(x_ptr="*fp8e4nv" if x_fp8 else "*bf16", x_scale_ptr="*fp32", w_ptr="*fp8e4nv",
-               w_scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
-               # as split_k_launch passes them: unsplit, both are the output tensor
-               part_ptr="*fp32" if split > 1 else "*bf16",
-               counters_ptr="*i32" if split > 1 else "*bf16", M="i32", N="i32", K="i32", stride_xm="i32",
-               stride_wn="i32", stride_om="i32", k_per_split="i32")
-    consts = dict(BLOCK_M=g.MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-                  HAS_BIAS=False, X_FP8=x_fp8, SOFT=False, PDL=True)
-    signature = {n: "constexpr" if n in consts else sig[n] for n in names}
-    # As a launch specialises them: pointers 16-byte aligned, sizes multiples of 16.
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in "MN"}
-    src = ASTSource(kernel, signature, attrs=attrs,
-                    constexprs={(names.index(k),): v for k, v in consts.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)).asm["ptx"]
+    cfg = rule.config._replace(split_k=split)
+    (consts, ptx), = compile_as_launched(g, "_fp8_gemv_kernel", lambda: g.fp8_gemv(
+        x8 if x_fp8 else x, w, w_scale, config=cfg, x_scale=x_scale if x_fp8 else None))
+    assert consts["SPLIT_K"] == split and consts["X_FP8"] == x_fp8, (cfg, consts)
     assert re.search(r"wgmma\.mma_async[^;]*e4m3\.e4m3", ptx), (cfg, "no fp8 wgmma")
     assert re.search(r"cp\.async\.cg\.shared\.global [^;]*, 0x10", ptx), (cfg, "16 B copies")
     assert "ld.local" not in ptx and "st.local" not in ptx, (cfg, "registers spilled")
@@ -392,14 +381,16 @@ print("ok")
 
 @pytest.mark.slow
 def test_fp8_gemv_compiles_to_fp8_tensor_cores_for_sm90():
-    """Without a GPU: at every tile rule of the H200 table the kernel compiles for sm90 (triton's
-    own ptxas) to fp8 wgmma, streams the weight in 16-byte asynchronous copies and spills no
-    registers (a slow-path division once did). Run in a fresh interpreter: this process may
-    have TRITON_INTERPRET set."""
+    """Without a GPU: at every tile rule of the H200 tables, launched as fp8_gemv launches it
+    (tests/sm90_launch.py), the kernel compiles for sm90 (triton's own ptxas) to fp8 wgmma,
+    streams the weight in 16-byte asynchronous copies and spills no registers (a slow-path
+    division once did). Run in a fresh interpreter: this process may have TRITON_INTERPRET
+    set."""
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
+    from conftest import sm90_compile_env
+
+    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=sm90_compile_env(),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

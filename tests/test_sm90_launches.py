@@ -5,98 +5,25 @@ Interpreter tests run the kernels' arithmetic but not the compiler, and a compil
 writes a kernel's signature by hand can differ from what the launch passes: a one-split launch
 hands its output tensor in as the K-split merge's counters, and atomics compiled on it (bf16)
 broke every small-batch linear launch on the GPU while every CPU test passed. Here each wrapper
-runs on CPU tensors with its kernel replaced by a recorder, and with the launch choices a GPU
-would make (``compiled_for_gpu`` true, no soft fp8 rounding, PDL on); the recorded arguments
-give the signature (pointer types from the tensors' dtypes, 16-divisibility as a launch
-specializes it) and the constexprs, and triton compiles that for sm90. Run in a fresh
-interpreter: this process may have TRITON_INTERPRET set.
+runs on CPU tensors with its kernel replaced by a recorder, with the launch choices a GPU would
+make, and triton compiles the recorded launch for sm90 (``sm90_launch.compile_as_launched``).
+Run in a fresh interpreter: this process may have TRITON_INTERPRET set.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
+from conftest import sm90_compile_env
 
 _SCRIPT = r'''
-import importlib
-import pkgutil
-
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90_launch import compile_as_launched
 
-import ember.kernels
 from ember.kernels import (argmax, fp8_gemv, fp8_quant, gguf_matmul, int4_gemm, int4_gemv,
                            rms_norm, rotary, silu_and_mul, small_batch_linear, store_kv)
-
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-         torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
-         torch.float8_e4m3fn: "fp8e4nv"}
-# The launch choices of a CUDA device, patched into every kernel module while recording.
-GPU_CHOICES = {"compiled_for_gpu": lambda x: True, "soft_fp8": lambda x: False,
-               "pdl_options": lambda x: {"PDL": True}}
-MODULES = [importlib.import_module(f"ember.kernels.{m.name}")
-           for m in pkgutil.iter_modules(ember.kernels.__path__)]
-
-
-class Recorder:
-    """Stands in for a jitted kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((args, kwargs))
-
-
-def arg_type(value):
-    if isinstance(value, torch.Tensor):
-        return "*" + TYPES[value.dtype], value.data_ptr() % 16 == 0
-    if isinstance(value, bool):
-        return "i1", False
-    if isinstance(value, int):
-        return ("i32" if -2**31 <= value < 2**31 else "i64"), value % 16 == 0
-    return "fp32", False
-
-
-def compile_recorded(kernel, args, kwargs):
-    names = kernel.arg_names
-    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-    consts = {k: v for k, v in kwargs.items() if k in names}
-    signature, attrs = {}, {}
-    for i, (name, value) in enumerate(zip(names, args)):
-        if value is None:
-            consts[name] = None
-            continue
-        signature[name], aligned = arg_type(value)
-        if aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    signature.update({name: "constexpr" for name in consts})
-    src = ASTSource(kernel, signature, attrs=attrs,
-                    constexprs={(names.index(k),): v for k, v in consts.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    return consts.get("SPLIT_K")
-
-
-def run(module, attr, call):
-    recorder = Recorder(getattr(module, attr))
-    saved = {(m, n): getattr(m, n) for m in MODULES for n in GPU_CHOICES if hasattr(m, n)}
-    setattr(module, attr, recorder)
-    for (m, n) in saved:
-        setattr(m, n, GPU_CHOICES[n])
-    try:
-        call()
-    finally:
-        setattr(module, attr, recorder.kernel)
-        for (m, n), fn in saved.items():
-            setattr(m, n, fn)
-    assert recorder.calls, (module.__name__, attr, "not launched")
-    return [compile_recorded(recorder.kernel, args, kwargs) for args, kwargs in recorder.calls]
-
 
 torch.manual_seed(0)
 bf = torch.bfloat16
@@ -167,7 +94,8 @@ cases += [
     (argmax, "_argmax_kernel",
      lambda: argmax.argmax_rows(logits, bitmask, torch.tensor([0, -1, 1, 0], dtype=torch.int32))),
 ]
-splits = [split for case in cases for split in run(*case)]
+splits = [consts.get("SPLIT_K") for case in cases
+          for consts, _ in compile_as_launched(*case)]
 assert splits[:10] == [1] * 5 + [4] * 5, splits  # each split count as the case asked
 print("compiled", len(splits))
 '''
@@ -175,8 +103,7 @@ print("compiled", len(splits))
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_as_launched():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=sm90_compile_env(), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().endswith("compiled 27"), proc.stdout[-2000:]
