@@ -193,9 +193,11 @@ def build_worker(args: EngineArgs) -> BuiltWorker:
     # compiled model traced) and everything they compile is what the engine's steps use.
     with profile.stage("warmup"):
         run_warmup(runner, num_blocks, max_tokens, args.max_num_seqs)
-    if args.compile_model:
-        # The warm-up's steps traced both graphs (one token, and any other count: dynamic),
-        # so the steps to come need no new compilation (tests/test_compile_model.py checks).
+    if args.compile_model and platform.device_is_host():
+        # The host's warm-up traced both graphs (one token, and any other count: dynamic), so
+        # the steps to come need no new compilation (tests/test_compile_model.py checks). Not
+        # on a GPU: there one-token steps replay CUDA graphs in the warm-up, so an eager
+        # one-token step (a one-token prompt) may still need its graph compiled.
         runner.skip_guards = True
     return BuiltWorker(platform, model_config, attn_backend, runner, num_blocks, max_tokens,
                        peak, capture_seconds, profile.breakdown())
