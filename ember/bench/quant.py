@@ -21,6 +21,7 @@ reads and the fraction of the copy bandwidth that batch-1 decode reaches.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -172,7 +173,7 @@ def bench_engine(ns: argparse.Namespace) -> dict:
     from ember import LLM, SamplingParams
     from ember.bench.timing import copy_bandwidth
     from ember.bench.workloads import random_workload
-    from ember.kernels.config import KernelConfig, use_kernel_config
+    from ember.kernels.config import kernel_config, use_kernel_config
 
     copy_bw = copy_bandwidth() * 1e12
     torch.cuda.empty_cache()
@@ -190,7 +191,8 @@ def bench_engine(ns: argparse.Namespace) -> dict:
             kw["attention_backend"] = "triton"
         # fp8-self-quant: each fp8 layer quantizes its own input (the norms and SiLU-and-mul
         # write half precision), the path before quantized producers.
-        config = KernelConfig(quantized_producers=method != "fp8-self-quant")
+        config = dataclasses.replace(kernel_config(),
+                                     quantized_producers=method != "fp8-self-quant")
         start = time.perf_counter()
         with use_kernel_config(config):
             llm = LLM(path, **kw)
