@@ -26,6 +26,7 @@ from model_factory import make_tiny_model  # noqa: E402
 from ember import LLM, SamplingParams  # noqa: E402
 from ember.kernels.fp8_quant import per_token_fp8  # noqa: E402
 from ember.quantization.fp8 import (  # noqa: E402
+    ACTIVATION_GROUP,
     Fp8LinearMethod,
     Fp8Quantization,
     per_token_fp8_torch,
@@ -91,25 +92,30 @@ def test_fp8_gemv_equals_its_reference(m, n, k, config, bias, dtype):
     assert (got.double() - exact).abs().max() < 0.1 * exact.abs().max()
 
 
-@pytest.mark.parametrize("m,n,k,config,bias", [
-    (1, 72, 200, (64, 32, 1), True),  # K and N tails
-    (16, 130, 96, (64, 32, 0), False),  # every row; splits filling the SMs
-    (5, 128, 512, None, False),  # the tuned tiles
+@pytest.mark.parametrize("m,n,k,config,bias,groups", [
+    (1, 72, 200, (64, 32, 1), True, 1),  # K and N tails
+    (16, 130, 96, (64, 32, 0), False, 1),  # every row; splits filling the SMs
+    (5, 128, 512, None, False, 1),  # the tuned tiles
+    (3, 72, 512, (64, 64, 2), True, 4),  # a scale per 128 columns, K split in two
+    (16, 64, 256, (64, 32, 0), False, 2),  # a scale per 128 columns, splits filling the SMs
 ])
-def test_fp8_gemv_takes_x_quantized_per_token(m, n, k, config, bias):
-    """x already quantized (float8_e4m3fn and one scale per row, as a producer kernel writes
-    it): the dot of the two fp8 operands, scaled by the row's and the channel's scales."""
+def test_fp8_gemv_takes_x_quantized_per_token(m, n, k, config, bias, groups):
+    """x already quantized (float8_e4m3fn and one scale per row, or per row and group of
+    columns, as a producer kernel writes it): the dot of the two fp8 operands, each K tile's
+    scaled by its row's (group's) scale, and the channel's scales."""
     from ember.kernels.fp8_gemv import fp8_gemv
 
     torch.manual_seed(m + n)
     q, scale = quantize_weight_per_channel(torch.randn(n, k))
     x = torch.randn(m, k) * torch.linspace(0.01, 30, k)
     x[0] = 0.0  # an all-zero row: zeros, no NaN
-    xq, x_scale = per_token_fp8_torch(x)
+    xq, x_scale = per_token_fp8_torch(x.reshape(m * groups, k // groups))
+    xq, x_scale = xq.reshape(m, k), x_scale.reshape(m, groups)
     b = torch.randn(n).half() if bias else None
     got = fp8_gemv(xq.to(DEV), q.to(DEV), scale.to(DEV), b.to(DEV) if bias else None,
                    config=config, x_scale=x_scale.to(DEV), out_dtype=torch.float16).cpu()
-    want = (xq.double() @ q.double().T) * x_scale.double() * scale.double()
+    x_deq = xq.double().reshape(m, groups, -1) * x_scale.double()[:, :, None]
+    want = (x_deq.reshape(m, k) @ q.double().T) * scale.double()
     if bias:
         want += b.double()
     assert got.dtype == torch.float16 and torch.isfinite(got).all()
@@ -123,8 +129,9 @@ def test_fp8_gemv_takes_x_quantized_per_token(m, n, k, config, bias):
 def test_producers_hand_fp8_layers_quantized_rows(monkeypatch):
     """RMSNorm (with and without the residual add) and SiLU-and-mul, told the fp8 layer they
     feed, write float8_e4m3fn rows and per-token scales equal bit for bit to per_token_fp8 of
-    their half-precision output, and the layer computes on them as given; a layer that does
-    not ask, or KernelConfig(quantized_producers=False), gets the half-precision rows."""
+    their half-precision output (per group of columns where the layer takes that), and the
+    layer computes on them as given; a layer that does not ask, or
+    KernelConfig(quantized_producers=False), gets the half-precision rows."""
     from ember.kernels import dispatch, silu_and_mul
     from ember.kernels.config import KernelConfig, use_kernel_config
     from ember.layers.activation import SiluAndMul
@@ -166,6 +173,40 @@ def test_producers_hand_fp8_layers_quantized_rows(monkeypatch):
     want_q, want_scale = per_token_fp8(act(wide))
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(scale, want_scale)
+    # A layer that takes a scale per group of columns (fp8's decode batches: ACTIVATION_GROUP)
+    # gets SiLU-and-mul's rows quantized a group at a time, each group as per_token_fp8 would
+    # quantize it alone; above its small-batch rows, one scale per row.
+    wide_layer = Linear(2048, 64, bias=False, dtype=torch.float16, device=DEV,
+                        quant_method=Fp8LinearMethod(serialized=False))
+    wide_layer.weight.data.copy_(torch.randn(64, 2048).half())
+    wide_layer.quant_method.process_weights_after_loading(wide_layer)
+    wide_layer.small_batch_max_rows = 4
+    gate_up = torch.randn(3, 2 * 2048, device=DEV).half() * torch.linspace(0.1, 8, 2 * 2048,
+                                                                            device=DEV).half()
+    assert wide_layer.quantized_input_group(gate_up) == ACTIVATION_GROUP == 1024
+
+    def check_grouped(got, half_rows: torch.Tensor) -> None:
+        want_q, want_scale = per_token_fp8(half_rows.reshape(6, 1024))
+        assert got.scale.shape == (3, 2)
+        assert torch.equal(got.data.view(torch.uint8), want_q.view(torch.uint8).reshape(3, 2048))
+        assert torch.equal(got.scale, want_scale.reshape(3, 2))
+        y = wide_layer(got)
+        x_deq = want_q.double().reshape(3, 2, 1024) * want_scale.double().reshape(3, 2, 1)
+        want = (x_deq.reshape(3, 2048) @ wide_layer.weight.double().T
+                * wide_layer.weight_scale.double())
+        torch.testing.assert_close(y.double(), want, rtol=2e-3, atol=2e-3 * want.abs().max())
+
+    check_grouped(act(gate_up, quant_for=wide_layer), act(gate_up))
+    wide_norm = RMSNorm(2048, 1e-6, torch.float16).to(DEV)
+    wide_norm.weight.data.copy_(torch.linspace(0.1, 4, 2048).half())  # unlike group ranges
+    xw, rw = torch.randn(3, 2048, device=DEV).half(), torch.randn(3, 2048, device=DEV).half()
+    check_grouped(wide_norm(xw, quant_for=wide_layer), wide_norm(xw))
+    got, h = wide_norm.forward_with_residual(xw, rw, wide_layer)
+    half_rows, h_plain = wide_norm.forward_with_residual(xw, rw)
+    assert torch.equal(h, h_plain)
+    check_grouped(got, half_rows)
+    assert wide_layer.quantized_input_group(torch.randn(5, 4096, device=DEV).half()) == 0
+    assert act(torch.randn(5, 4096, device=DEV).half(), quant_for=wide_layer).scale.shape == (5, 1)
     plain_layer = Linear(256, 48, bias=False, dtype=torch.float16, device=DEV)
     assert isinstance(norm(x, quant_for=plain_layer), torch.Tensor)
     with use_kernel_config(KernelConfig(quantized_producers=False)):

@@ -46,7 +46,7 @@ def _fp8_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
                      counters_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, X_FP8: tl.constexpr,
-                     SOFT: tl.constexpr, PDL: tl.constexpr):
+                     X_GROUP: tl.constexpr, SOFT: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -66,7 +66,11 @@ def _fp8_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
         x_tile = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         x_mask = m_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if X_FP8:  # quantized by the kernel that wrote x: both operands stream as they are
+        if X_FP8 and X_GROUP > 0:  # quantized before, one scale per row and X_GROUP columns
+            x_scale = tl.load(x_scale_ptr + offs_m * (K // X_GROUP) + k // X_GROUP, mask=m_mask,
+                              other=0.0)
+            acc += tl.dot(w, tl.trans(tl.load(x_tile, mask=x_mask, other=0.0))) * x_scale[None, :]
+        elif X_FP8:  # quantized by the kernel that wrote x: both operands stream as they are
             acc += tl.dot(w, tl.trans(tl.load(x_tile, mask=x_mask, other=0.0)))
         else:
             x = tl.load(x_tile, mask=x_mask, other=0.0).to(tl.float32)
@@ -78,7 +82,7 @@ def _fp8_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
                               offs_m[None, :] * N + offs_n[:, None], out_mask, M * N, SPLIT_K)
     if last:
         acc *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
-        if X_FP8:
+        if X_FP8 and X_GROUP == 0:
             acc *= tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -116,15 +120,18 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [m <= MAX_ROWS, k] (16-bit) times ``weight`` (float8_e4m3fn [n, k]) * ``weight_scale``
     (float32 [n]) transposed, plus ``bias``: W8A8 (module docstring). x may instead come
-    quantized, float8_e4m3fn with one float32 scale per row in ``x_scale`` ([m] or [m, 1]; as
-    ember.kernels.fp8_quant.per_token_fp8 or a producer kernel writes them); the output is then
-    ``out_dtype``. ``config`` (an Fp8GemvConfig, or its leading fields as a tuple) overrides the
-    tuned tiles; a split of 0 means as many K splits as fill the SMs."""
+    quantized, float8_e4m3fn with its float32 scales in ``x_scale``: one per row ([m] or [m, 1],
+    as ember.kernels.fp8_quant.per_token_fp8 or a producer kernel writes them) or one per row
+    and group of k / g columns ([m, g], g > 1: a producer that quantizes a row in several
+    programs); the output is then ``out_dtype``. ``config`` (an Fp8GemvConfig, or its leading
+    fields as a tuple) overrides the tuned tiles; a split of 0 means as many K splits as fill
+    the SMs."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and weight.dtype == torch.float8_e4m3fn
     x_fp8 = x.dtype == torch.float8_e4m3fn
     assert x_fp8 == (x_scale is not None), "an fp8 x comes with its row scales, a 16-bit x not"
+    groups = x_scale.shape[-1] if x_fp8 and x_scale.dim() == 2 else 1
     if x.stride(-1) != 1:
         x = x.contiguous()
     if weight.stride(-1) != 1:
@@ -135,6 +142,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         return out
     block_n, block_k, split_k, num_warps, num_stages = Fp8GemvConfig(
         *(config or fp8_gemv_config(n, k, x.device, x_fp8)))
+    x_group = 0
+    if groups > 1:
+        x_group = k // groups
+        assert x_group * groups == k and x_group % block_k == 0, (
+            f"x scales per {x_group} columns need K tiles that divide them (tile {block_k})")
+        x_scale = x_scale.contiguous()
     n_tiles = cdiv(n, block_n)
     if split_k == 0:  # enough splits for one program an SM, each at least two K tiles
         split_k = max(1, min(cdiv(num_sms(x.device), n_tiles), k // (2 * block_k)))
@@ -144,7 +157,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         bias if bias is not None else weight_scale, out, splits.partials, splits.counters, m, n,
         k, x.stride(0), weight.stride(0), out.stride(0), splits.k_per_split, BLOCK_M=MAX_ROWS,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits.split_k, HAS_BIAS=bias is not None,
-        X_FP8=x_fp8, SOFT=soft_fp8(out), num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(x),
+        X_FP8=x_fp8, X_GROUP=x_group, SOFT=soft_fp8(out), num_warps=num_warps,
+        num_stages=num_stages, **pdl_options(x),
     )
     return out

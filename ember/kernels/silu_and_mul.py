@@ -44,11 +44,14 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.cons
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, d,
-                             BLOCK: tl.constexpr, SOFT: tl.constexpr, PDL: tl.constexpr):
-    # One program per token, as wide as the row (up to BLOCK_MAX columns: one load round trip,
-    # the largest magnitude, the quantized row). A wider row takes two passes, the second
-    # reading gate and up again (from L2) and recomputing the product. At decode batch sizes a
-    # handful of programs run, so a narrow program looping over the row would be latency-bound.
+                             BLOCK: tl.constexpr, GROUPED: tl.constexpr, SOFT: tl.constexpr,
+                             PDL: tl.constexpr):
+    # GROUPED: grid (tokens, groups), a program quantizes its BLOCK columns with a scale of
+    # their own (stored at [token, group]). Otherwise one program per token, as wide as the row
+    # (up to BLOCK_MAX columns: one load round trip, the largest magnitude, the quantized row).
+    # A wider row takes two passes, the second reading gate and up again (from L2) and
+    # recomputing the product. At decode batch sizes a handful of programs run, so a narrow
+    # program looping over the row would be latency-bound.
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -56,7 +59,15 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, d,
     x_row = x_ptr + tok * stride_x
     q_row = q_ptr + tok * stride_q
     ty = x_ptr.dtype.element_ty
-    if BLOCK >= d:
+    if GROUPED:
+        group = tl.program_id(1)
+        offs = group * BLOCK + tl.arange(0, BLOCK)
+        y = _silu_mul_row(x_row, offs, d, ty)
+        scale, inv = per_token_scale(tl.max(tl.abs(y), 0), FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + tok * tl.num_programs(1) + group, scale)
+        q = quantize_fp8(y, inv, FP8_MAX, SOFT)
+        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < d)
+    elif BLOCK >= d:
         offs = tl.arange(0, BLOCK)
         y = _silu_mul_row(x_row, offs, d, ty)
         scale, inv = per_token_scale(tl.max(tl.abs(y), 0), FP8_MAX, MIN_SCALE)
@@ -105,19 +116,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_fp8(x: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, 2d] -> (q float8_e4m3fn [T, d], scales float32 [T, 1]) with q * scales ~=
-    silu_and_mul(x) (``per_token_fp8`` of it, bit for bit)."""
+    silu_and_mul(x) (``per_token_fp8`` of it, bit for bit). With ``group`` (a power of two
+    dividing d) one scale per row and ``group`` columns instead, scales [T, d / group] (each
+    group as per_token_fp8 would quantize it alone): the row is spread over d / group programs,
+    where one scale per row needs one program to see the whole row."""
     d = x.shape[-1] // 2
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if group:
+        assert d % group == 0 and group & (group - 1) == 0, f"group {group} for {d} columns"
+    groups = d // group if group else 1
     q = torch.empty(x.shape[0], d, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    scales = torch.empty(x.shape[0], groups, dtype=torch.float32, device=x.device)
     if q.numel() == 0:
         return q, scales
-    block = min(next_power_of_2(d), FP8_BLOCK_MAX)
-    _silu_and_mul_fp8_kernel[(x.shape[0],)](
-        x, q, scales, x.stride(0), q.stride(0), d, BLOCK=block, SOFT=soft_fp8(x),
-        num_warps=max(4, min(32, block // 512)), **pdl_options(x),
+    block = group or min(next_power_of_2(d), FP8_BLOCK_MAX)
+    _silu_and_mul_fp8_kernel[(x.shape[0], groups)](
+        x, q, scales, x.stride(0), q.stride(0), d, BLOCK=block, GROUPED=bool(group),
+        SOFT=soft_fp8(x), num_warps=max(4, min(32, block // 512)), **pdl_options(x),
     )
     return q, scales

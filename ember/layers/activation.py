@@ -1,7 +1,8 @@
 """Gated activations for the fused gate_up projection (one Triton kernel on CUDA in half
 precision, ember.kernels.silu_and_mul; the torch ops elsewhere). Given the down projection
 (``quant_for``), the kernel writes the product already quantized when that layer asks for it
-(an fp8 layer), as a QuantizedActivation."""
+(an fp8 layer), as a QuantizedActivation: with one scale per group of columns where the layer
+takes them (decode batches of an fp8 layer), so a row is quantized by many programs at once."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class SiluAndMul(nn.Module):
                 quant_for: Linear | None = None) -> torch.Tensor | QuantizedActivation:
         if self.use_kernel and dispatch.takes_kernel(x):
             if self.quantized_producer and wants_fp8_input(quant_for, x):
-                return QuantizedActivation(*kernels.silu_and_mul.silu_and_mul_fp8(x))
+                group = quant_for.quantized_input_group(x)
+                return QuantizedActivation(*kernels.silu_and_mul.silu_and_mul_fp8(x, group))
             return kernels.silu_and_mul.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

@@ -64,7 +64,9 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
 class QuantizedActivation(NamedTuple):
     """A linear layer's input as the kernel that wrote it quantized it (RMSNorm, SiLU-and-mul:
     ``Linear.quantized_input_dtype``): ``data`` in that dtype [rows, in], ``scale`` float32
-    [rows, 1], data * scale ~= the half-precision activations."""
+    [rows, 1], or [rows, in / group] where the layer takes one scale per group of columns
+    (``Linear.quantized_input_group``) and the producer wrote them; data * scale (each scale
+    over its columns) ~= the half-precision activations."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -84,6 +86,13 @@ class LinearMethod:
         """The dtype this layer would rather be given ``x`` in, quantized per row by the kernel
         that writes it (``apply`` then gets a QuantizedActivation), or None: x as it is."""
         return None
+
+    def quantized_input_group(self, layer: Linear, x: torch.Tensor) -> int:
+        """Given a quantized input (``quantized_input_dtype``): the columns per scale this layer
+        also takes for ``x``'s rows, or 0 (the default): one scale per row only. A producer
+        that spreads a row over several programs may then scale each group of that many
+        columns on its own; one scale per row must always be accepted."""
+        return 0
 
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:  # fmt: skip
@@ -204,6 +213,10 @@ class Linear(nn.Module):
     def quantized_input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """See LinearMethod.quantized_input_dtype; producers ask before writing ``x``."""
         return self.quant_method.quantized_input_dtype(self, x)
+
+    def quantized_input_group(self, x: torch.Tensor) -> int:
+        """See LinearMethod.quantized_input_group."""
+        return self.quant_method.quantized_input_group(self, x)
 
     def extra_repr(self) -> str:
         method = type(self.quant_method).__name__

@@ -5,7 +5,9 @@ instead: W8A8 on the fp8 tensor cores too, the activations quantized inside the 
 power-of-two scale per row and K tile (no second kernel). Where the kernel before the layer can
 write its output quantized (RMSNorm before qkv and gate_up, SiLU-and-mul before down: they ask
 ``quantized_input_dtype``), the layer gets float8_e4m3fn rows with their per-token scales and
-skips its own quantization at every batch size.
+skips its own quantization at every batch size; up to 16 rows SiLU-and-mul writes one scale per
+row and ACTIVATION_GROUP columns instead (``quantized_input_group``), so many programs quantize
+a row at once and fp8_gemv applies each scale to its K tiles.
 
 Two ways in:
 - fp8 checkpoints: compressed-tensors' "float-quantized" format (quant_method
@@ -50,6 +52,8 @@ from ember.quantization.int4_linear import replace_weight
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# Columns per activation scale that fp8_gemv takes from a producer (a multiple of its K tiles).
+ACTIVATION_GROUP = 1024
 
 
 def _load_weight_scale(param: torch.Tensor, loaded: torch.Tensor,
@@ -148,12 +152,16 @@ def fp8_linear_quantized(x: QuantizedActivation, weight: torch.Tensor,
                          weight_scale: torch.Tensor, bias: torch.Tensor | None,
                          out_dtype: torch.dtype, small_batch_rows: int = 0) -> torch.Tensor:
     """fp8_linear of activations already quantized per token (x.data float8_e4m3fn [rows, in],
-    x.scale float32 [rows, 1]), in ``out_dtype``: up to ``small_batch_rows`` rows through
-    ember.kernels.fp8_gemv, else cuBLASLt."""
+    x.scale float32 [rows, 1]; up to ``small_batch_rows`` rows also [rows, in / group]), in
+    ``out_dtype``: up to ``small_batch_rows`` rows through ember.kernels.fp8_gemv, else
+    cuBLASLt."""
     if x.data.shape[0] <= small_batch_rows:
         from ember.kernels.fp8_gemv import fp8_gemv
 
         return fp8_gemv(x.data, weight, weight_scale, bias, x_scale=x.scale, out_dtype=out_dtype)
+    if x.scale.shape[-1] != 1:
+        raise ValueError(f"cuBLASLt takes one activation scale per row, not {x.scale.shape[-1]} "
+                         f"({x.data.shape[0]} rows)")
     # Row-wise scaling in cuBLASLt writes bf16; a float16 model casts the result back.
     y = torch._scaled_mm(x.data, weight.t(), scale_a=x.scale,
                          scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
@@ -207,6 +215,17 @@ class Fp8LinearMethod(LinearMethod):
     def quantized_input_dtype(self, layer: Linear, x: torch.Tensor) -> torch.dtype | None:
         # Where the producers' kernels run (CUDA, half precision, not traced by torch.compile).
         return FP8 if dispatch.takes_kernel(x) else None
+
+    def quantized_input_group(self, layer: Linear, x: torch.Tensor) -> int:
+        # fp8_gemv (up to small_batch_max_rows rows) applies a scale per K tile as it adds the
+        # tile's dot; cuBLASLt above takes one scale per row only.
+        from ember.kernels.fp8_gemv import fp8_gemv_config
+
+        k = layer.weight.shape[1]
+        if x.shape[0] > layer.small_batch_max_rows or k % ACTIVATION_GROUP:
+            return 0
+        block_k = fp8_gemv_config(layer.weight.shape[0], k, x.device, True).block_k
+        return ACTIVATION_GROUP if ACTIVATION_GROUP % block_k == 0 else 0
 
     def apply(self, layer: Linear, x: torch.Tensor | QuantizedActivation,
               bias: torch.Tensor | None) -> torch.Tensor:
