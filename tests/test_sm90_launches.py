@@ -85,8 +85,6 @@ cases += [
      lambda: silu_and_mul.silu_and_mul_fp8(torch.randn(2, 40000).to(bf))),  # two passes
     (silu_and_mul, "_silu_and_mul_fp8_kernel",  # a scale per 1024 columns
      lambda: silu_and_mul.silu_and_mul_fp8(gate_up, 1024)),
-    (rms_norm, "_rms_norm_kernel",  # a scale per 1024 columns, with the residual
-     lambda: rms_norm.rms_norm_fp8(rows, norm_w, 1e-6, rows, 1024)),
     (fp8_gemv, "_fp8_gemv_kernel",  # x scaled per 1024 columns
      lambda: fp8_gemv.fp8_gemv(x8, w8, w_scale, config=(64, 512, 2, 4, 4),
                                x_scale=torch.rand(1, k // 1024))),
@@ -113,4 +111,4 @@ def test_kernels_compile_for_sm90_as_launched():
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=sm90_compile_env(), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.strip().endswith("compiled 30"), proc.stdout[-2000:]
+    assert proc.stdout.strip().endswith("compiled 29"), proc.stdout[-2000:]

@@ -18,6 +18,10 @@ scale. Each tile's dot is scaled by its x scales as it is added; the weight's pe
 scale multiplies each output once at the end. The rows are padded to 16 (with 8, Triton 3.6
 falls back to bf16 mma.sync and widens the weight).
 
+x may also come quantized by the kernel that wrote it (RMSNorm, SiLU-and-mul): its row scales
+then multiply each output once at the end, or, where the producer scaled each group of columns
+on its own (a multiple of the K tile), each tile's dot by its group's scale.
+
 Grid (output tiles, K splits): K splits merge in the kernel (ember.kernels.split_k). Tiles and
 splits come from the device's rules in ember.kernels.tuning.
 """

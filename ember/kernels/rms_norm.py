@@ -6,9 +6,8 @@ GEMV too small to fill the GPU, so it rides in the norm's kernel instead of a la
 
 ``rms_norm_fp8`` writes the normalised rows quantized for an fp8 layer instead
 (float8_e4m3fn and one scale per row, what ember.kernels.fp8_quant.per_token_fp8 would make of
-the half-precision output; or one scale per row and group of columns, a program per group):
-the layer after then reads 1-byte activations with nothing left to quantize
-(ember.quantization.fp8).
+the half-precision output): the layer after then reads 1-byte activations with nothing left to
+quantize (ember.quantization.fp8).
 
 The residual sum is rounded to the model dtype where torch rounds it (bit-identical); the norm
 itself may differ from torch by an ulp (reduction order, rsqrt). Outputs are new contiguous
@@ -59,66 +58,34 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
-    GROUP: tl.constexpr,
     SOFT: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # One program per row; rows are indexed by (a, b) so that [T, heads, head_size] views of
     # the qkv output (Qwen3's per-head norm) need no copy. The residual output is contiguous
-    # with the same row layout as ``out``. GROUP (quantized 2-D rows only): grid (rows,
-    # groups), each program computes the row's statistics and writes its GROUP columns with a
-    # scale of their own, so a row is written by many programs at once.
+    # with the same row layout as ``out``.
     if PDL:  # see ember.kernels.launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     a = tl.program_id(0).to(tl.int64)
-    in_ty = x_ptr.dtype.element_ty
-    if GROUP > 0:
-        x = _row_sum(x_ptr + a * stride_xa, res_ptr + a * stride_ra, tl.arange(0, BLOCK),
-                     n_cols, HAS_RESIDUAL).to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)  # as _normalized computes it
-        group = tl.program_id(1)
-        offs = group * GROUP + tl.arange(0, GROUP)
-        mask = offs < n_cols
-        x = _row_sum(x_ptr + a * stride_xa, res_ptr + a * stride_ra, offs, n_cols, HAS_RESIDUAL)
-        if HAS_RESIDUAL:
-            tl.store(res_out_ptr + a * stride_oa + offs, x, mask=mask)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (w * (x.to(tl.float32) * inv_rms).to(in_ty).to(tl.float32)).to(in_ty).to(tl.float32)
-        scale, inv = per_token_scale(tl.max(tl.abs(y), 0), FP8_MAX, MIN_SCALE)
-        tl.store(scale_ptr + a * tl.num_programs(1) + group, scale)
-        y = quantize_fp8(y, inv, FP8_MAX, SOFT)
-        tl.store(out_ptr + a * stride_oa + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        b = tl.program_id(1).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < n_cols
-        x = tl.load(x_ptr + a * stride_xa + b * stride_xb + offs, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + a * stride_ra + b * stride_rb + offs, mask=mask, other=0.0)
-            # Added in float32 and rounded once to the model dtype: what torch's half add does.
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
-            tl.store(res_out_ptr + a * stride_oa + b * stride_ob + offs, x, mask=mask)
-        y = _normalized(x, tl.load(w_ptr + offs, mask=mask, other=0.0), n_cols, eps)
-        if QUANT:  # float8_e4m3fn rows (2-D only) and their scales, from the half output
-            y = y.to(in_ty).to(tl.float32)
-            scale, inv = per_token_scale(tl.max(tl.abs(y), 0), FP8_MAX, MIN_SCALE)
-            tl.store(scale_ptr + a, scale)
-            y = quantize_fp8(y, inv, FP8_MAX, SOFT)
-        tl.store(out_ptr + a * stride_oa + b * stride_ob + offs,
-                 y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _row_sum(x_row, res_row, offs, n_cols, HAS_RESIDUAL: tl.constexpr):
-    """x (+ the residual, added in float32 and rounded to x's dtype) at ``offs`` of a row."""
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    x = tl.load(x_row + offs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + a * stride_xa + b * stride_xb + offs, mask=mask, other=0.0)
+    in_ty = x_ptr.dtype.element_ty
     if HAS_RESIDUAL:
-        r = tl.load(res_row + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_row.dtype.element_ty)
-    return x
+        r = tl.load(res_ptr + a * stride_ra + b * stride_rb + offs, mask=mask, other=0.0)
+        # Added in float32 and rounded once to the model dtype: what torch's half add does.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
+        tl.store(res_out_ptr + a * stride_oa + b * stride_ob + offs, x, mask=mask)
+    y = _normalized(x, tl.load(w_ptr + offs, mask=mask, other=0.0), n_cols, eps)
+    if QUANT:  # float8_e4m3fn rows (2-D only) and their scales, from the half-precision output
+        y = y.to(in_ty).to(tl.float32)
+        scale, inv = per_token_scale(tl.max(tl.abs(y), 0), FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + a, scale)
+        y = quantize_fp8(y, inv, FP8_MAX, SOFT)
+    tl.store(out_ptr + a * stride_oa + b * stride_ob + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -139,10 +106,9 @@ def _row_strides(x: torch.Tensor) -> tuple[int, int, int, int]:
 
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    scales: torch.Tensor | None = None, group: int = 0,
+    scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """With ``scales`` ([rows, 1] float32, or [rows, n / group] with ``group``) the output is
-    float8_e4m3fn, x 2-D."""
+    """With ``scales`` ([rows] float32) the output is float8_e4m3fn, x 2-D."""
     shape = x.shape
     n = shape[-1]
     assert weight.shape == (n,) and weight.stride(0) == 1, "weight must be [hidden], contiguous"
@@ -165,11 +131,10 @@ def _launch(
     _, _, soa, sob = _row_strides(out)
     if out.numel() > 0:
         block = next_power_of_2(n)
-        _rms_norm_kernel[(rows_a, n // group if group else rows_b)](
+        _rms_norm_kernel[(rows_a, rows_b)](
             xr, rr, weight, out, out if res_out is None else res_out,
             scales if quant else weight, sxa, sxb, sra, srb, soa, sob, n, eps,
-            HAS_RESIDUAL=residual is not None, QUANT=quant, GROUP=group, SOFT=soft_fp8(x),
-            BLOCK=block,
+            HAS_RESIDUAL=residual is not None, QUANT=quant, SOFT=soft_fp8(x), BLOCK=block,
             num_warps=warps_for_block(block), **pdl_options(x),
         )  # fmt: skip
     out = out.view(shape)
@@ -197,20 +162,13 @@ def fused_add_rms_norm(
 
 
 def rms_norm_fp8(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-    group: int = 0,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q, scales, x + residual or None): ``rms_norm(x + residual)`` for an fp8 layer, as
     float8_e4m3fn [T, hidden] and float32 scales [T, 1] with q * scales ~= the half-precision
-    norm (``per_token_fp8`` of it, bit for bit). With ``group`` (a power of two dividing
-    hidden) one scale per row and ``group`` columns, scales [T, hidden / group], each group as
-    per_token_fp8 would quantize it alone. x: [T, hidden]."""
-    n = x.shape[-1]
-    if group:
-        assert n % group == 0 and group & (group - 1) == 0, f"group {group} for {n} columns"
-    scales = torch.empty(x.shape[0], n // group if group else 1, dtype=torch.float32,
-                         device=x.device)
-    q, new_residual = _launch(x, residual, weight, eps, scales, group)
+    norm (``per_token_fp8`` of it, bit for bit). x: [T, hidden]."""
+    scales = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    q, new_residual = _launch(x, residual, weight, eps, scales)
     return q, scales, new_residual
 
 

@@ -34,8 +34,7 @@ class RMSNorm(nn.Module):
                 quant_for: Linear | None = None) -> torch.Tensor | QuantizedActivation:
         if self.use_kernel and dispatch.takes_kernel(x):
             if self._quantizes_for(quant_for, x):
-                q, scale, _ = kernels.rms_norm.rms_norm_fp8(
-                    x, self.weight, self.eps, group=quant_for.quantized_input_group(x))
+                q, scale, _ = kernels.rms_norm.rms_norm_fp8(x, self.weight, self.eps)
                 return QuantizedActivation(q, scale)
             return kernels.rms_norm.rms_norm(x, self.weight, self.eps)
         return self._forward_torch(x)
@@ -49,8 +48,7 @@ class RMSNorm(nn.Module):
         """
         if self.use_kernel and dispatch.takes_kernel(x):
             if self._quantizes_for(quant_for, x):
-                q, scale, h = kernels.rms_norm.rms_norm_fp8(
-                    x, self.weight, self.eps, residual, quant_for.quantized_input_group(x))
+                q, scale, h = kernels.rms_norm.rms_norm_fp8(x, self.weight, self.eps, residual)
                 return QuantizedActivation(q, scale), h
             return kernels.rms_norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
         # In place, as the decoder always did (branch.add_(residual)): no extra allocation.
