@@ -98,8 +98,8 @@ def test_greedy_equals_transformers_on_dequantized_weights(tiny, tmp_path, metho
                         SamplingParams(temperature=0.0, max_tokens=10))
     model = llm.llm_engine.executor.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
-    # Both formats end in ember's K-packed form: 8 input rows per int32.
-    assert qkv.qweight.dtype == torch.int32 and qkv.qweight.shape == (128 // 8, 256)
+    # Both formats end in ember's column-major form: 8 input rows per int32.
+    assert qkv.qweight.dtype == torch.int32 and qkv.qweight.shape == (256, 128 // 8)
     assert (getattr(qkv, "perm", None) is not None) == opts.get("desc_act", False)
     llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == ref

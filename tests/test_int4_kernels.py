@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from ember.kernels.int4_gemm import int4_gemm  # noqa: E402
-from ember.kernels.int4_gemv import int4_gemv, int4_gemv_config  # noqa: E402
+from ember.kernels.int4_gemv import int4_gemv, int4_gemv_config, row_sub_tile  # noqa: E402
 from ember.quantization.int4_common import (  # noqa: E402
     AWQ_ORDER,
     awq_to_int4,
@@ -50,6 +50,16 @@ def _np_unpack_gptq_rows(packed: torch.Tensor) -> np.ndarray:
     out = np.zeros((p.shape[0] * 8, p.shape[1]), dtype=np.int64)
     for i in range(8):
         out[i::8, :] = (p >> np.uint32(4 * i)) & 0xF
+    return out
+
+
+def _np_unpack_ember(packed: torch.Tensor) -> np.ndarray:
+    """ember's in-memory qweight [N, K/8] -> q [K, N]: rows 2s and 2s + 1 of pack r at bits 4s
+    and 16 + 4s (the bit of row j is AWQ's bit of column j)."""
+    p = packed.numpy().view(np.uint32)
+    out = np.zeros((p.shape[1] * 8, p.shape[0]), dtype=np.int64)
+    for j, bit in enumerate(AWQ_BIT_OF_COLUMN):
+        out[j::8, :] = ((p >> np.uint32(bit)) & 0xF).T
     return out
 
 
@@ -88,37 +98,39 @@ def _gptq_checkpoint(k: int, n: int, group: int, desc_act: bool, seed: int = 0):
     if desc_act:
         g_idx = g_idx[torch.randperm(k, generator=gen)]
     w = (q - z[g_idx]).float() * s[g_idx]
-    return pack_int4(q, 0), pack_int4((z - 1) & 0xF, 1), s, g_idx.to(torch.int32), w
+    return pack_int4(q, 0), pack_int4((z - 1) & 0xF, 1), s, g_idx.to(torch.int32), w, q
 
 
 @pytest.mark.parametrize("desc_act", [False, True])
 def test_gptq_repacks_to_the_same_weight(desc_act):
-    qweight, qzeros, scales, g_idx, want = _gptq_checkpoint(64, 24, 16, desc_act)
+    qweight, qzeros, scales, g_idx, want, q = _gptq_checkpoint(64, 24, 16, desc_act)
     weight = gptq_to_int4(qweight, qzeros, scales, g_idx, 16, 1, "layer")
     assert (weight.perm is not None) == desc_act
-    if not desc_act:  # GPTQ's qweight layout is ember's form: kept as it is
-        assert torch.equal(weight.qweight, qweight)
+    assert weight.qweight.shape == (24, 8)
+    rows = q.numpy() if not desc_act else q.numpy()[weight.perm.numpy()]  # in group order
+    np.testing.assert_array_equal(_np_unpack_ember(weight.qweight), rows)
     torch.testing.assert_close(dequantize_int4(weight), want, rtol=0, atol=0)
 
 
 def test_gptq_groups_that_cannot_be_sorted_are_refused():
-    qweight, qzeros, scales, g_idx, _ = _gptq_checkpoint(64, 8, 16, False)
+    qweight, qzeros, scales, g_idx, _, _ = _gptq_checkpoint(64, 8, 16, False)
     g_idx[0] = 1  # group 1 now has 17 rows
     with pytest.raises(ValueError, match="layer.*g_idx"):
         gptq_to_int4(qweight, qzeros, scales, g_idx, 16, 1, "layer")
 
 
-def test_awq_repacks_to_the_k_packed_form():
+def test_awq_repacks_to_the_column_major_form():
     """AWQ's column-packed tensors repacked: each pack holds eight consecutive rows of one
-    column (GPTQ's documented order) and the weight dequantizes to the same values."""
+    column in pair order (ember.quantization.int4_common) and the weight dequantizes to the
+    same values."""
     gen = torch.Generator().manual_seed(2)
     q = torch.randint(0, 16, (64, 24), generator=gen, dtype=torch.int32)
     z = torch.randint(0, 16, (4, 24), generator=gen, dtype=torch.int32)
     s = torch.rand(4, 24, generator=gen) + 0.1
     qw, qz = pack_int4(q, 1, AWQ_ORDER), pack_int4(z, 1, AWQ_ORDER)
     weight = awq_to_int4(qw, qz, s, 16)
-    assert weight.qweight.shape == (8, 24) and weight.qzeros.shape == (4, 3)
-    np.testing.assert_array_equal(_np_unpack_gptq_rows(weight.qweight), q.numpy())
+    assert weight.qweight.shape == (24, 8) and weight.qzeros.shape == (4, 3)
+    np.testing.assert_array_equal(_np_unpack_ember(weight.qweight), q.numpy())
     np.testing.assert_array_equal(_np_unpack_gptq_cols(weight.qzeros), z.numpy())
     torch.testing.assert_close(dequantize_int4(weight), dequantize_awq(qw, qz, s, 16),
                                rtol=0, atol=0)
@@ -159,6 +171,8 @@ def _x(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
     (1, 64, 256, 64, (32, 64, 2, 4, 2, True)),  # one row by float32 multiply-adds, split K
     (1, 48, 96, 96, (32, 32, 2, 4, 2, True)),  # one row, one group, the last tile short
     (2, 64, 256, 64, (32, 64, 2, 4, 2, True)),  # fma applies to one row only: tl.dot here
+    (1, 24, 1536, 128, None),  # one row, the tuned tiles: the second K step half past K
+    (1, 32, 96, 48, (16, 64, 1, 4, 1, True)),  # groups of 48: sub-tiles of 16
 ])
 def test_int4_gemv(dtype, m, n, k, group, config):
     qw, qz, s, w = _awq_case(k, n, group, dtype)
@@ -183,12 +197,15 @@ def test_int4_gemm(dtype, m, n, k, group, config):
 
 
 def test_gemv_config_splits_small_grids():
-    for rows in (1, 4):
-        block_n, block_k, split_k, _, _, fma = int4_gemv_config(4096, 4096, 128, 132, rows)
-        assert block_k == 128 and 4096 // block_n * split_k >= 132 and fma == (rows == 1)
-        assert int4_gemv_config(4096, 4096, 32, 132, rows)[1] == 32  # a tile stays in a group
-    assert int4_gemv_config(28672, 4096, 128, 132, 4)[2] == 1
-    assert int4_gemv_config(28672, 4096, 128, 132)[2] == 1  # a tile for every SM: unsplit
+    block_n, block_k, split_k, _, _, fma = int4_gemv_config(4096, 4096, 128, 132, 1)
+    assert fma and 4096 // block_n * split_k >= 2 * 132  # one row: two programs an SM
+    block_n, block_k, split_k, _, _, fma = int4_gemv_config(4096, 4096, 128, 132, 4)
+    assert not fma and block_k == 128 and 4096 // block_n * split_k >= 132
+    assert int4_gemv_config(4096, 4096, 32, 132, 4)[1] == 32  # a tile stays in a group
+    assert int4_gemv_config(28672, 4096, 128, 132, 4)[2] == 1  # a tile for every SM: unsplit
+    assert int4_gemv_config(28672, 4096, 128, 132)[2] == 1
+    # The one-row kernel's sub-tiles stay in a group: powers of two dividing it.
+    assert [row_sub_tile(g, 1024) for g in (128, 96, 4096, 11008, 24)] == [128, 32, 1024, 256, 8]
 
 
 LLAMA8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out)

@@ -37,11 +37,10 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
 L2_FLUSH_BYTES = 200 * 2**20
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a dry run of the code on the CPU sets cpu / float16
 # (block_n, block_k, programs per SM, warps, stages, fma), timed at one row: K splits until the
-# grid holds that many programs per SM; fma = float32 multiply-adds instead of tensor cores.
-GEMV_CONFIGS = [(128, 128, 1, 4, 4, True), (128, 128, 2, 4, 4, True), (128, 128, 3, 4, 4, True),
-                (128, 128, 4, 4, 4, True), (64, 128, 2, 2, 4, True), (64, 128, 3, 2, 4, True),
-                (64, 128, 4, 2, 4, True), (128, 64, 2, 4, 4, True), (128, 64, 4, 4, 4, True),
-                (256, 128, 1, 8, 4, True), (128, 128, 2, 8, 4, True)]
+# grid holds that many programs per SM; fma = the one-row kernel (CUDA-core multiply-adds).
+GEMV_CONFIGS = [(16, 1024, 2, 4, 1, True), (16, 1024, 4, 4, 1, True), (16, 512, 2, 4, 1, True),
+                (32, 512, 2, 4, 1, True), (32, 512, 4, 4, 1, True), (32, 256, 4, 4, 1, True),
+                (64, 256, 2, 8, 1, True), (64, 256, 4, 4, 1, True), (16, 1024, 2, 8, 1, True)]
 
 
 def _copies(nbytes: int) -> int:

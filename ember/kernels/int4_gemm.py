@@ -1,7 +1,7 @@
 """int4_gemm: a 4-bit (AWQ / GPTQ) linear layer for many rows (prefill, large decode batches).
 
 A tiled GEMM: one program per [BLOCK_M, BLOCK_N] output tile walks K in BLOCK_K-row tiles of the
-K-packed weight, expands each to 4-bit values in registers (ember.kernels.int4_tile), multiplies
+packed weight, expands each to 4-bit values in registers (ember.kernels.int4_tile), multiplies
 with x's tile on the tensor cores and applies the group's zero and scale to the tile's partial
 product. The weight is read once per row of tiles, so at large M the kernel is bound by the
 tensor cores, not by the weight. Programs are ordered in groups of GROUP_M row tiles so the
@@ -44,7 +44,7 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, 
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        q = load_q_tile(qw_ptr, k0, K, n0, N, BLOCK_K, BLOCK_N)
+        q = load_q_tile(qw_ptr, k0, K, K, n0, N, BLOCK_K, BLOCK_N)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :],
                     other=0.0)
@@ -78,8 +78,8 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     """x [M, K] times the 4-bit weight (as ember.kernels.int4_gemv.int4_gemv takes it), any M.
     ``config`` = (block_m, block_n, block_k, num_warps, num_stages) overrides the rule."""
     m, k = x.shape
-    n = qweight.shape[1]
-    assert qweight.shape[0] * 8 == k and scales.shape[1] == n
+    n = qweight.shape[0]
+    assert qweight.shape[1] * 8 == k and scales.shape[1] == n
     assert qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()

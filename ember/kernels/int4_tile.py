@@ -1,28 +1,26 @@
-"""Pieces shared by the 4-bit kernels (int4_gemv, int4_gemm): reading a tile of a 4-bit weight in
-ember's in-memory form (K-packed: int32 [K/8, N], row 8r + i of a column in bits 4i..4i+3 of
-pack r; ember.quantization.int4_common), the one-row multiply-add over packs, and the group
-correction that turns a product over raw 4-bit values into the dequantized one.
+"""Pieces shared by the 4-bit kernels (int4_gemv, int4_gemm): reading tiles of a 4-bit weight in
+ember's in-memory form (column major: int32 [N, K/8], pack r of a column holding rows 8r + 2s
+and 8r + 2s + 1 in bits 4s and 16 + 4s; ember.quantization.int4_common), the one-row product
+over packs, and the group correction that turns a product over raw 4-bit values into the
+dequantized one.
 
 The kernels never dequantize a weight element. For a tile of K rows inside one group g,
 sum_k x[k] * (q[k, n] - z[g, n]) * s[g, n] = s[g, n] * (sum_k x[k] q[k, n] - z[g, n] sum_k x[k]):
 the product runs on q (0..15, exact in any float type) and each (row, column) of the output pays
 one multiply-add per tile instead of each weight element paying a subtract and a multiply.
-A tile therefore never straddles two groups: BLOCK_K divides the group size.
+A tile therefore never straddles two groups.
 
 Nor does it convert integers to floats (a quarter-rate instruction on NVIDIA GPUs, which would
 bound a 4-bit GEMV below the memory bandwidth): a float is built from its bit pattern. For the
 tensor cores, q | 0x4300 is the bfloat16 128 + q (0x6400: the float16 1024 + q) and the
-correction subtracts that offset with the zero point. For the one-row multiply-adds, nibble j
-of a pack masked in place and or-ed into 0x4B000000 is the float32 2^23 + q * 16^j, exact
-while q * 16^j < 2^23 (j <= 4; the top three nibbles are shifted down by 20 first): one mask and
-one subtract per weight, with x pre-scaled by 16^-j (exact: a power of two). That path serves
-float32 x. For half-precision x on a GPU, ``pack_dot_bf16x2`` computes a pack's eight products in
-inline PTX on bfloat16 pairs: one mask-and-or (lop3) makes two nibbles the pair (128 + q_i,
-128 + q_i+4), a packed subtract of (128 + z) makes them exactly q - z, and packed multiply-adds
-take them with x's pair. The pack's four pairs accumulate in bfloat16 before one float32 add:
-about 2.4 instructions per weight against 3 and more. Its rounding is that of bfloat16 products
-summed over four weights (2^-9 relative on each pack's partial, the output's own precision),
-well below the 4-bit weights' quantization error.
+correction subtracts that offset with the zero point. For one row of half-precision x on a GPU,
+``pack_dot_bf16x2`` computes a pack's eight products in inline PTX on bfloat16 pairs: one
+mask-and-or (lop3) of the pack shifted by 4s makes the pair (128 + q[2s], 128 + q[2s + 1]), a
+packed subtract of (128 + z) makes it exactly q - z, and packed multiply-adds take it with x's
+pair (x[2s], x[2s + 1]), which a bfloat16 row holds in one 32-bit word. The pack's four pairs
+accumulate in bfloat16 before one float32 add: about 2.4 instructions per weight. Its rounding
+is that of bfloat16 products summed over four weights (2^-9 relative on each pack's partial,
+the output's own precision), well below the 4-bit weights' quantization error.
 """
 
 from __future__ import annotations
@@ -32,55 +30,28 @@ import triton.language as tl
 
 
 @triton.jit
-def load_packs(qw_ptr, k0, K, n0, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The int32 packs [BLOCK_K // 8, BLOCK_N] holding rows k0..k0 + BLOCK_K and columns n0.. of
-    a weight stored K-packed ([K / 8, N]); 0 outside the weight or past row K."""
-    offs_r = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+def _pair_shift(j: tl.constexpr):
+    """Bit offset of row j (0..7) of a pack: rows 2s and 2s + 1 sit at 4s and 16 + 4s."""
+    return (j % 2) * 16 + (j // 2) * 4
+
+
+@triton.jit
+def load_q_tile(qw_ptr, k0, k_hi, K, n0, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The 4-bit values [BLOCK_K, BLOCK_N] (int32) of rows k0.. (none past k_hi) and columns
+    n0.. of a [K, N] weight; 0 outside."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask = (offs_r < K // 8)[:, None] & (offs_n < N)[None, :]
-    return tl.load(qw_ptr + offs_r.to(tl.int64)[:, None] * N + offs_n[None, :], mask=mask,
-                   other=0)
+    offs_r = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask = (offs_n < N)[:, None] & (offs_r < k_hi // 8)[None, :]
+    packs = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * (K // 8) + offs_r[None, :],
+                    mask=mask, other=0)
+    j = tl.arange(0, 8)
+    shifts = (j % 2) * 16 + (j // 2) * 4
+    q = (packs[:, :, None] >> shifts[None, None, :]) & 0xF
+    return tl.trans(tl.reshape(q, (BLOCK_N, BLOCK_K)))
 
 
 @triton.jit
-def load_q_tile(qw_ptr, k0, K, n0, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The 4-bit values [BLOCK_K, BLOCK_N] (int32) of rows k0.. and columns n0..; 0 outside."""
-    packs = load_packs(qw_ptr, k0, K, n0, N, BLOCK_K, BLOCK_N)
-    shifts = tl.arange(0, 8) * 4
-    q = (packs[:, None, :] >> shifts[None, :, None]) & 0xF
-    return tl.reshape(q, (BLOCK_K, BLOCK_N))
-
-
-@triton.jit
-def _nibble_times(packs, MASK: tl.constexpr):
-    """float32 q * 16^j of the nibble ``MASK`` selects (0xF << 4j, j <= 4), from bits."""
-    return ((packs & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def pack_row_products(packs, x_ptr, k0, k_hi, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """For one row of x: (t [BLOCK_K // 8, BLOCK_N], xs [BLOCK_K // 8]) with t[r, n] =
-    sum_i x[8r + i] q[8r + i, n] over the eight rows of pack r and xs[r] their x sum (float32;
-    rows from k0, none past k_hi). Multiply-adds on the CUDA cores: the pack never leaves the
-    thread that loaded it."""
-    offs = k0 + 8 * tl.arange(0, BLOCK_K // 8)
-    mask = offs < k_hi
-    high = packs >> 20  # nibbles 5..7 at bits 0..11
-    xs = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
-    t = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
-    for i in tl.static_range(8):
-        x = tl.load(x_ptr + offs + i, mask=mask, other=0.0).to(tl.float32)
-        xs += x
-        if i < 5:
-            t += (x * (1.0 / (1 << (4 * i))))[:, None] * _nibble_times(packs, 0xF << (4 * i))
-        else:
-            t += (x * (1.0 / (1 << (4 * (i - 5)))))[:, None] * _nibble_times(
-                high, 0xF << (4 * (i - 5)))
-    return t, xs
-
-
-@triton.jit
-def pack_dot_bf16x2(packs, zeros2, x04, x15, x26, x37):
+def pack_dot_bf16x2(packs, zeros2, x01, x23, x45, x67):
     """float32 sum_i x[i] (q[i] - z) of each pack (see the module docstring): ``zeros2`` the
     bfloat16 pair (128 + z, 128 + z) of the pack's column, ``xIJ`` the bfloat16 pair (x[I],
     x[J]) of the pack's rows, all as int32 bits. CUDA only (inline PTX, sm_90)."""
@@ -110,16 +81,84 @@ def pack_dot_bf16x2(packs, zeros2, x04, x15, x26, x37):
         add.f32 $0, flo, fhi;
         }""",
         constraints="=f,r,r,r,r,r,r",
-        args=[packs, zeros2, x04, x15, x26, x37], dtype=tl.float32, is_pure=True, pack=1)
+        args=[packs, zeros2, x01, x23, x45, x67], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _bf16_pair(x_ptr, offs, mask, i: tl.constexpr):
-    """int32 bits of the bfloat16 pair (x[offs + i], x[offs + i + 4]), the first in the low half."""
-    lo = tl.load(x_ptr + offs + i, mask=mask, other=0.0).to(tl.bfloat16)
-    hi = tl.load(x_ptr + offs + i + 4, mask=mask, other=0.0).to(tl.bfloat16)
+def row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, K, GROUP: tl.constexpr,
+                     SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The weight-side loads of one tile of the one-row product, rows k0..k0 + BLOCK_K in
+    sub-tiles of SUB rows (each inside one group): (packs [BLOCK_N, BLOCK_K / SUB, SUB / 8],
+    zero points and scales [BLOCK_N, BLOCK_K / SUB]); 0 past k_hi. A column's packs are one
+    contiguous run."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
+    mask = (offs_n < N)[:, None] & (sub_start < k_hi)[None, :]
+    rows = (sub_start // 8)[None, :, None] + tl.arange(0, SUB // 8)[None, None, :]
+    packs = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None, None] * (K // 8) + rows,
+                    mask=mask[:, :, None], other=0)
+    g = (sub_start // GROUP)[None, :]
+    z = tl.load(qz_ptr + g * (N // 8) + (offs_n // 8)[:, None], mask=mask, other=0)
+    z = (z >> ((offs_n % 8) * 4)[:, None]) & 0xF
+    scale = tl.load(s_ptr + g * N + offs_n[:, None], mask=mask, other=0.0).to(tl.float32)
+    return packs, z, scale
+
+
+@triton.jit
+def _bf16_pair(x_ptr, offs, mask):
+    """int32 bits of the bfloat16 pair (x[offs], x[offs + 1]), the first in the low half."""
+    lo = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.bfloat16)
+    hi = tl.load(x_ptr + offs + 1, mask=mask, other=0.0).to(tl.bfloat16)
     lo = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return lo | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def row_tile_x(x_ptr, k0, k_hi, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+               PACKED_HALF: tl.constexpr, X_WORDS: tl.constexpr):
+    """The x-side loads of the same tile, [BLOCK_K / SUB, SUB / 8] per pack: with PACKED_HALF
+    the four bfloat16 pairs (x[8r + 2s], x[8r + 2s + 1]) as int32 bits (X_WORDS: x is bfloat16
+    and ``x_ptr`` its int32 view, one load a pair; else x is converted); otherwise nothing is
+    loaded ahead (the float path reads x as it multiplies) and four empty values stand in."""
+    sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
+    rows = (sub_start // 8)[:, None] + tl.arange(0, SUB // 8)[None, :]
+    mask = (sub_start < k_hi)[:, None]
+    if PACKED_HALF:
+        if X_WORDS:
+            return (tl.load(x_ptr + 4 * rows, mask=mask, other=0),
+                    tl.load(x_ptr + 4 * rows + 1, mask=mask, other=0),
+                    tl.load(x_ptr + 4 * rows + 2, mask=mask, other=0),
+                    tl.load(x_ptr + 4 * rows + 3, mask=mask, other=0))
+        else:
+            return (_bf16_pair(x_ptr, 8 * rows, mask), _bf16_pair(x_ptr, 8 * rows + 2, mask),
+                    _bf16_pair(x_ptr, 8 * rows + 4, mask), _bf16_pair(x_ptr, 8 * rows + 6, mask))
+    else:
+        empty = tl.zeros([BLOCK_K // SUB, SUB // 8], dtype=tl.int32)
+        return empty, empty, empty, empty
+
+
+@triton.jit
+def row_tile_product(weights, xpairs, x_ptr, k0, k_hi, SUB: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PACKED_HALF: tl.constexpr):
+    """[BLOCK_N, BLOCK_K / SUB, SUB / 8] float32: per pack, the dequantized product of one row
+    of x with the tile whose loads ``row_tile_weights`` and ``row_tile_x`` made."""
+    packs, z, scale = weights
+    if PACKED_HALF:
+        x01, x23, x45, x67 = xpairs
+        t = pack_dot_bf16x2(packs, ((z | 0x4300) * 0x10001)[:, :, None], x01[None, :, :],
+                            x23[None, :, :], x45[None, :, :], x67[None, :, :])
+        return t * scale[:, :, None]
+    else:  # float32 multiply-adds (float32 x, and the interpreter)
+        sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
+        offs = (sub_start[:, None] + 8 * tl.arange(0, SUB // 8)[None, :])[None, :, :]
+        mask = (sub_start < k_hi)[None, :, None]
+        t = tl.zeros(packs.shape, dtype=tl.float32)
+        xs = tl.zeros(offs.shape, dtype=tl.float32)
+        for j in tl.static_range(8):
+            x = tl.load(x_ptr + offs + j, mask=mask, other=0.0).to(tl.float32)
+            t += ((packs >> _pair_shift(j)) & 0xF).to(tl.float32) * x
+            xs += x
+        return (t - xs * z.to(tl.float32)[:, :, None]) * scale[:, :, None]
 
 
 @triton.jit
@@ -154,58 +193,6 @@ def group_zero_scale(qz_ptr, s_ptr, g, n0, N, BLOCK_N: tl.constexpr):
     z = (z >> ((offs_n % 8) * 4)) & 0xF
     s = tl.load(s_ptr + g * N + offs_n, mask=mask, other=0.0).to(tl.float32)
     return z, s
-
-
-@triton.jit
-def one_row_weights(qw_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, GROUP: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The weight-side loads of one tile (rows k0.., inside one group) of the one-row product:
-    (packs, zero points, scales), all [BLOCK_K // 8, BLOCK_N]; 0 when k0 >= k_hi. Zero points
-    and scales are read in the tile's shape (each column's repeated down the rows, from L1):
-    read as vectors, they would be moved into the tile's layout through shared memory with
-    block-wide barriers in every step."""
-    packs = load_packs(qw_ptr, k0, k_hi, n0, N, BLOCK_K, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_K // 8)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask = ((offs_n < N) & (k0 < k_hi))[None, :]
-    g = k0 // GROUP
-    z = tl.load(qz_ptr + g * (N // 8) + offs_n[None, :] // 8 + 0 * offs_r[:, None], mask=mask,
-                other=0)
-    z = (z >> ((offs_n % 8) * 4)[None, :]) & 0xF
-    scale = tl.load(s_ptr + g * N + offs_n[None, :] + 0 * offs_r[:, None], mask=mask,
-                    other=0.0).to(tl.float32)
-    return packs, z, scale
-
-
-@triton.jit
-def one_row_x(x_ptr, k0, k_hi, BLOCK_K: tl.constexpr, PACKED_HALF: tl.constexpr):
-    """The x-side loads of the same tile: with PACKED_HALF the bfloat16 pairs (x[8r + i],
-    x[8r + i + 4]) for i = 0..3 as int32 bits [BLOCK_K // 8]; otherwise nothing is loaded
-    ahead (the float32 path reads x as it multiplies) and four empty values stand in."""
-    offs = k0 + 8 * tl.arange(0, BLOCK_K // 8)
-    mask = offs < k_hi
-    if PACKED_HALF:
-        return (_bf16_pair(x_ptr, offs, mask, 0), _bf16_pair(x_ptr, offs, mask, 1),
-                _bf16_pair(x_ptr, offs, mask, 2), _bf16_pair(x_ptr, offs, mask, 3))
-    else:
-        empty = tl.zeros([BLOCK_K // 8], dtype=tl.int32)
-        return empty, empty, empty, empty
-
-
-@triton.jit
-def one_row_tile(weights, xpairs, x_ptr, k0, k_hi, BLOCK_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PACKED_HALF: tl.constexpr):
-    """[BLOCK_K // 8, BLOCK_N] float32: per pack row, the dequantized product of one row of x
-    with the tile whose loads ``one_row_weights`` and ``one_row_x`` made."""
-    packs, z, scale = weights
-    if PACKED_HALF:
-        x04, x15, x26, x37 = xpairs
-        t = pack_dot_bf16x2(packs, (z | 0x4300) * 0x10001, x04[:, None], x15[:, None],
-                            x26[:, None], x37[:, None])
-        return t * scale
-    else:
-        t, xs = pack_row_products(packs, x_ptr, k0, k_hi, BLOCK_K, BLOCK_N)
-        return (t - xs[:, None] * z.to(tl.float32)) * scale
 
 
 @triton.jit

@@ -4,8 +4,8 @@ and a scale per group of input features, computed without dequantizing them to m
 The checkpoint's ``qweight`` [in, out/8], ``qzeros`` [in/g, out/8] (int32, AutoAWQ's
 interleaved packing) and ``scales`` [in/g, out] load into the layer as they are, fused q/k/v and
 gate/up shards included (packed along the output dim, the loader narrows by 8); once loaded,
-each layer is repacked into ember's K-packed form (ember.quantization.int4_common), which the
-one-row GEMV streams without moving data between columns.
+each layer is repacked into ember's column-major form (ember.quantization.int4_common), which
+the one-row GEMV streams a column's packs at a time.
 
 Read from quantization_config: ``bits`` / ``w_bit`` (4), ``group_size`` / ``q_group_size``,
 ``zero_point`` (true), ``version`` ("gemm"), ``modules_to_not_convert`` (those layers stay in

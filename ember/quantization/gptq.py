@@ -2,11 +2,11 @@
 and a scale per group of input features.
 
 The checkpoint's ``qweight`` [in/8, out] (8 input rows per int32), ``qzeros`` [groups, out/8],
-``scales`` [groups, out] and ``g_idx`` [in] load as they are. GPTQ's qweight layout is ember's
-in-memory form (ember.quantization.int4_common), so AWQ and GPTQ share one pair of kernels; at
-load only the zeros are repacked (v1 stores z - 1). With desc_act (act-order) each input row's
-group comes from g_idx; the rows are sorted by group at load (qweight repacked) and the layer
-permutes its input to match. The q/k/v (and gate/up)
+``scales`` [groups, out] and ``g_idx`` [in] load as they are; once loaded they are repacked
+into ember's in-memory form (ember.quantization.int4_common), so AWQ and GPTQ share one set of
+kernels (v1's zeros, stored as z - 1, become the zeros). With desc_act (act-order) each input
+row's group comes from g_idx; the rows are sorted by group at load and the layer permutes its
+input to match. The q/k/v (and gate/up)
 shards of a fused projection quantize the same input and so carry the same g_idx; a checkpoint
 where they differ is refused.
 
@@ -59,7 +59,10 @@ class GPTQLinearMethod(Int4LinearMethod):
         return input_size // PACK, output_size  # 8 input rows per int32
 
     def checkpoint_attrs(self) -> dict[str, dict[str, Any]]:
-        return self.packed_attrs()  # ember's form is GPTQ's layout
+        column_packed = {"output_dim": 1, "input_dim": 0, "packed_dim": 1, "packed_factor": PACK}
+        return {"qweight": {"output_dim": 1, "input_dim": 0, "packed_dim": 0,
+                            "packed_factor": PACK},
+                "qzeros": column_packed, "scales": {"output_dim": 1, "input_dim": 0}}
 
     def create_extra_weights(self, layer: Linear, input_size: int,
                              output_sizes: list[int]) -> None:  # fmt: skip

@@ -14,14 +14,19 @@ Checkpoint layouts (what the published formats put in safetensors):
   checkpoint format stores z - 1 (the "gptq_v2" format stores z); ``scales`` [G, N];
   ``g_idx`` int32 [K] gives each row's group (rows of one group are scattered with desc_act).
 
-In memory ember keeps one form for both (``Int4Weight``): GPTQ's K-packed ``qweight`` [K/8, N]
-(8 consecutive input rows per int32, row 8r + i in bits 4i..4i+3), ``qzeros`` [G, N/8] with 8
-consecutive columns per int32 in the same sequential order and the zero itself (not z - 1),
-``scales`` [G, N]. GPTQ checkpoints keep their qweight (their v1 zeros are repacked), AWQ ones
-are repacked once at load, and desc_act's scattered groups become contiguous by permuting the
-input rows (``perm``: the kernels then read x[:, perm]). The K-packed form is the one a
-one-row GEMV streams best: a thread's int32 holds eight weights of one output column, so
-unpacking is a mask per weight with no data movement between columns (ember.kernels.int4_tile).
+In memory ember keeps one form for both (``Int4Weight``): ``qweight`` int32 [N, K/8], output
+column major: pack r of column n holds input rows 8r..8r+7 in pair order (row 8r + 2s in bits
+4s..4s+3, row 8r + 2s + 1 in bits 16 + 4s..19 + 4s, s = 0..3: ``PAIR_ORDER``, which happens
+to be AWQ's interleave); ``qzeros`` [G, N/8] with 8 consecutive columns per int32 in sequential
+order and the zero itself (not z - 1); ``scales`` [G, N]. Both checkpoint formats are repacked
+once at load, and desc_act's scattered groups become contiguous by permuting the input rows
+(``perm``: the kernels then read x[:, perm]).
+
+Why this form: a one-row GEMV streams each column's packs as one contiguous run (16-byte loads
+along K, every byte of a DRAM burst used), and one mask-and-or of a pack shifted by 4s gives
+the pair of 16-bit values (q[8r + 2s], q[8r + 2s + 1]), which meets the pair (x[8r + 2s],
+x[8r + 2s + 1]) that a bfloat16 row already holds in one 32-bit word (ember.kernels.int4_tile).
+The tensor-core kernels expand a tile along K and transpose it for their dot.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # Bit offset of column j (0..7) of a pack: the inverse of AWQ_ORDER, times 4.
 AWQ_SHIFTS = tuple(4 * AWQ_ORDER.index(j) for j in range(8))
 SEQUENTIAL_ORDER = tuple(range(8))
+# ember's in-memory packs: rows 2s and 2s + 1 of a pack in bits 4s and 16 + 4s (module docstring).
+PAIR_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# Bit offset of row j (0..7) of a pack in ember's form.
+PAIR_SHIFTS = tuple(4 * PAIR_ORDER.index(j) for j in range(8))
 PACK = 8  # 4-bit values per int32
 
 
@@ -73,8 +82,9 @@ def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] = SEQUENT
 class Int4Weight:
     """A 4-bit weight in ember's in-memory form and what it needs besides.
 
-    qweight int32 [K/8, N] (K-packed), qzeros int32 [G, N/8] (sequential); scales [G, N] in the
-    activation dtype; perm int64 [K] or None (x[:, perm] feeds rows in group order)."""
+    qweight int32 [N, K/8] (column major, pairs of rows: PAIR_ORDER), qzeros int32 [G, N/8]
+    (sequential); scales [G, N] in the activation dtype; perm int64 [K] or None (x[:, perm]
+    feeds rows in group order)."""
 
     qweight: torch.Tensor
     qzeros: torch.Tensor
@@ -84,11 +94,11 @@ class Int4Weight:
 
     @property
     def in_features(self) -> int:
-        return self.qweight.shape[0] * PACK
+        return self.qweight.shape[1] * PACK
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[1]
+        return self.qweight.shape[0]
 
 
 def check_int4_shapes(in_features: int, out_features: int, group_size: int, what: str) -> int:
@@ -113,7 +123,7 @@ def _dequantize(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, group_si
     k, n = q.shape
     group = k if group_size == -1 else group_size
     groups = k // group
-    w = (q.view(groups, group, n) - z.view(groups, 1, n)).float()
+    w = (q.reshape(groups, group, n) - z.view(groups, 1, n)).float()
     w = (w * scales.float().view(groups, 1, n)).view(k, n)
     if perm is not None:  # row i of w is checkpoint row perm[i]
         out = torch.empty_like(w)
@@ -136,10 +146,11 @@ def dequantize_packed(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch
                       group_size: int, perm: torch.Tensor | None = None) -> torch.Tensor:
     """float32 W [K, N] of a weight in ember's in-memory form. One broadcast shift per element
     (the CPU path runs this on every call)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
-    k, n = qweight.shape[0] * PACK, qweight.shape[1]
-    q = ((qweight.unsqueeze(1) >> shifts.view(1, PACK, 1)) & 0xF).view(k, n)
-    z = ((qzeros.unsqueeze(-1) >> shifts) & 0xF).view(-1, n)
+    shifts = torch.tensor(PAIR_SHIFTS, dtype=torch.int32, device=qweight.device)
+    n, k = qweight.shape[0], qweight.shape[1] * PACK
+    q = ((qweight.unsqueeze(-1) >> shifts) & 0xF).view(n, k).t()
+    z = ((qzeros.unsqueeze(-1) >> torch.arange(0, 32, 4, dtype=torch.int32,
+                                               device=qweight.device)) & 0xF).view(-1, n)
     return _dequantize(q, z, scales, group_size, perm)
 
 
@@ -152,7 +163,8 @@ def dequantize_int4(weight: Int4Weight) -> torch.Tensor:
 def pack_weight(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, group_size: int,
                 perm: torch.Tensor | None = None) -> Int4Weight:
     """ember's form of unpacked q [K, N] (rows in group order) and zeros [G, N], both 0..15."""
-    return Int4Weight(pack_int4(q, 0), pack_int4(z, 1), scales, group_size, perm)
+    return Int4Weight(pack_int4(q.t(), 1, PAIR_ORDER), pack_int4(z, 1), scales, group_size,
+                      perm)
 
 
 def awq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -191,6 +203,7 @@ def gptq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     sorted by group and ``perm`` records the order; ValueError when the groups are not equal
     runs of ``group_size`` rows once sorted."""
     k = qweight.shape[0] * PACK
+    q = unpack_int4(qweight, 0)
     z = (unpack_int4(qzeros, 1) + zero_offset) & 0xF  # v1 stores 15 as -1 + 16: wrap like GPTQ
     group = k if group_size == -1 else group_size
     perm = None
@@ -205,6 +218,5 @@ def gptq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
                 raise ValueError(f"{what}: g_idx does not hold {k // group} groups of "
                                  f"{group} rows each; ember cannot compute this GPTQ weight")
             perm = order
-            # Rows in group order: the K-packed qweight is repacked.
-            qweight = pack_int4(unpack_int4(qweight, 0)[order], 0)
-    return Int4Weight(qweight.contiguous(), pack_int4(z, 1), scales, group, perm)
+            q = q[order]  # rows in group order
+    return pack_weight(q, z, scales, group, perm)

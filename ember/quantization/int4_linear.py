@@ -1,6 +1,6 @@
 """The linear-layer side shared by AWQ and GPTQ: a LinearMethod whose layer, once loaded, holds a
-4-bit weight in ember's in-memory form (ember.quantization.int4_common: K-packed ``qweight``
-[K/8, N], ``qzeros`` [G, N/8], ``scales`` [G, N], and ``perm`` for GPTQ's desc_act), and
+4-bit weight in ember's in-memory form (ember.quantization.int4_common: column-major
+``qweight`` [N, K/8], ``qzeros`` [G, N/8], ``scales`` [G, N], and ``perm`` for GPTQ's desc_act), and
 computes it:
 
 - on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_gemv`` for up to
@@ -148,9 +148,9 @@ class Int4LinearMethod(LinearMethod):
 
     @staticmethod
     def packed_attrs() -> dict[str, dict[str, Any]]:
-        """Loading metadata of the tensors in ember's form (GPTQ's qweight layout, zeros packed
-        along the outputs as both formats pack them)."""
+        """Loading metadata of the tensors in ember's form (qweight column major, 8 input rows
+        per int32; zeros packed along the outputs as both formats pack them)."""
         column_packed = {"output_dim": 1, "input_dim": 0, "packed_dim": 1, "packed_factor": PACK}
-        return {"qweight": {"output_dim": 1, "input_dim": 0, "packed_dim": 0,
+        return {"qweight": {"output_dim": 0, "input_dim": 1, "packed_dim": 1,
                             "packed_factor": PACK},
                 "qzeros": column_packed, "scales": {"output_dim": 1, "input_dim": 0}}
