@@ -15,11 +15,13 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from ember.kernels.int4_dequant import int4_dequantize  # noqa: E402
 from ember.kernels.int4_gemm import int4_gemm  # noqa: E402
 from ember.kernels.int4_gemv import int4_gemv, int4_gemv_config, row_sub_tile  # noqa: E402
 from ember.quantization.int4_common import (  # noqa: E402
@@ -27,6 +29,7 @@ from ember.quantization.int4_common import (  # noqa: E402
     awq_to_int4,
     dequantize_awq,
     dequantize_int4,
+    dequantize_packed,
     gptq_to_int4,
     pack_int4,
     quantize_int4,
@@ -196,6 +199,20 @@ def test_int4_gemm(dtype, m, n, k, group, config):
     _check(got, x.float() @ w + bias.float(), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,group", [(40, 128, 32), (24, 96, 96), (64, 512, 128), (16, 96, 48)])
+def test_int4_dequantize_equals_the_reference(dtype, n, k, group):
+    """The dense weight the layer hands cuBLAS above 16 rows: bit for bit the reference
+    dequantization (float32, rounded once to the dtype), [N, K] as F.linear takes it."""
+    qw, qz, s, w = _awq_case(k, n, group, dtype)
+    got = int4_dequantize(qw, qz, s, group, dtype)
+    want = dequantize_packed(qw.cpu(), qz.cpu(), s.cpu(), group).t().to(dtype)
+    assert got.shape == (n, k) and got.dtype == dtype
+    assert torch.equal(got.cpu(), want)
+    torch.testing.assert_close(got.float(), w.t(), rtol=0, atol=1e-2 if dtype != torch.float32
+                               else 0)
+
+
 def test_gemv_config_splits_small_grids():
     block_n, block_k, split_k, _, _, fma = int4_gemv_config(4096, 4096, 128, 132, 1)
     assert fma and 4096 // block_n * split_k >= 2 * 132  # one row: two programs an SM
@@ -224,3 +241,4 @@ def test_int4_kernels_llama8b_shapes_bf16(k, n, m):
         _check(int4_gemv(x, qw, qz, s, 128, config=(64, 128, 2, 4, 4, True)), want,
                torch.bfloat16)
     _check(int4_gemm(x, qw, qz, s, 128), want, torch.bfloat16)
+    _check(F.linear(x, int4_dequantize(qw, qz, s, 128, x.dtype)), want, torch.bfloat16)

@@ -22,8 +22,9 @@ _SCRIPT = r'''
 import torch
 from sm90_launch import compile_as_launched
 
-from ember.kernels import (argmax, fp8_gemv, fp8_quant, gguf_matmul, int4_gemm, int4_gemv,
-                           rms_norm, rotary, silu_and_mul, small_batch_linear, store_kv)
+from ember.kernels import (argmax, fp8_gemv, fp8_quant, gguf_matmul, int4_dequant, int4_gemm,
+                           int4_gemv, rms_norm, rotary, silu_and_mul, small_batch_linear,
+                           store_kv)
 
 torch.manual_seed(0)
 bf = torch.bfloat16
@@ -70,6 +71,8 @@ codes4 = gguf_matmul.pack_nibbles(torch.randint(0, 16, (n, k), dtype=torch.uint8
 codes8 = torch.randint(0, 256, (n, k), dtype=torch.uint8)
 gscale, gmin = torch.rand(n, k // 32), torch.rand(n, k // 32)
 cases += [
+    (int4_dequant, "_int4_dequantize_kernel",
+     lambda: int4_dequant.int4_dequantize(qweight, qzeros, scales, group, bf)),
     (int4_gemm, "_int4_gemm_kernel",
      lambda: int4_gemm.int4_gemm(torch.randn(64, k).to(bf), qweight, qzeros, scales, group)),
     (gguf_matmul, "_gguf_matmul_kernel",  # Q4_1's codes: 4-bit with a minimum
@@ -114,4 +117,4 @@ def test_kernels_compile_for_sm90_as_launched():
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=sm90_compile_env(), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.strip().endswith("compiled 31"), proc.stdout[-2000:]
+    assert proc.stdout.strip().endswith("compiled 32"), proc.stdout[-2000:]

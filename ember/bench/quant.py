@@ -73,6 +73,7 @@ def _timer(row: dict, x: torch.Tensor, copy_bw: float):  # type: ignore[no-untyp
 
 def bench_kernels(ns: argparse.Namespace) -> dict:
     from ember.bench.timing import copy_bandwidth
+    from ember.kernels.int4_dequant import int4_dequantize
     from ember.kernels.int4_gemm import int4_gemm
     from ember.kernels.int4_gemv import int4_gemv
     from ember.kernels.small_batch_linear import small_batch_linear
@@ -109,6 +110,9 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
             got = (int4_gemv(x, qw, qz, s, 128) if m <= 16 else int4_gemm(x, qw, qz, s, 128))
             err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
             assert err < 2e-2, f"int4 {name} m={m}: error {err}"
+            got = F.linear(x, int4_dequantize(qw, qz, s, 128, x.dtype))
+            err_dq = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+            assert err_dq < 2e-2, f"int4 dequantized {name} m={m}: error {err_dq}"
             got8 = fp8_linear(x, wq8, s8, None)
             ref8 = x.float() @ (wq8.float() * s8[:, None]).T
             err8 = ((got8.float() - ref8).abs().max() / ref8.abs().max()).item()
@@ -134,6 +138,9 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
             else:
                 timed("int4_gemm", int4_bytes, lambda x_, t: int4_gemm(x_, *t, 128),
                       sets["int4"])
+            # The layer's path above 16 rows: the weight dequantized for the call, then cuBLAS.
+            timed("int4_dequant_cublas", int4_bytes,
+                  lambda x_, t: F.linear(x_, int4_dequantize(*t, 128, x_.dtype)), sets["int4"])
             rows.append(row)
             print(name, m, {key: round(v["us"], 1) for key, v in row.items()
                             if isinstance(v, dict)})

@@ -12,6 +12,7 @@
     moe_decode          the mixture-of-experts layer for one token: two kernels, no sort
     int4_gemv           4-bit (AWQ/GPTQ) linear layer for up to 16 rows, weight streaming
     int4_gemm           4-bit (AWQ/GPTQ) linear layer for many rows, tiled
+    int4_dequant        4-bit (AWQ/GPTQ) weight written out dense, for cuBLAS at large batches
     fp8_quant           dynamic per-token float8 quantization of activations (W8A8 layers)
     fp8_gemv            fp8 (W8A8) linear layer for up to 16 rows on fp8 tensor cores
 
@@ -51,6 +52,7 @@ OPS = (
     "moe_decode",
     "int4_gemv",
     "int4_gemm",
+    "int4_dequant",
     "fp8_quant",
     "fp8_gemv",
 )

@@ -4,7 +4,7 @@
 computes it:
 
 - on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_gemv`` for up to
-  16 rows (decode), ``int4_gemm`` above;
+  16 rows (decode); above, the weight dequantized for the call (``int4_dequant``) and cuBLAS;
 - elsewhere (the CPU) in torch: the weight is dequantized for the call and multiplied. That
   saves memory, not time (the CPU's fast 4-bit path is GGUF's).
 
@@ -29,6 +29,9 @@ from ember.quantization.int4_common import (
     dequantize_packed,
 )
 
+# Up to this many rows int4_gemv streams the packed weight; above, the weight is dequantized
+# for the call and multiplied by cuBLAS (as vLLM's AWQ layer does from 256 rows): writing the
+# dense weight costs about one bf16 read of it (docs/benchmarks.md).
 GEMV_MAX_ROWS = 16
 
 
@@ -71,7 +74,9 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         if x2.shape[0] <= GEMV_MAX_ROWS:
             y = kernels.int4_gemv.int4_gemv(x2, qweight, qzeros, scales, group_size, bias)
         else:
-            y = kernels.int4_gemm.int4_gemm(x2, qweight, qzeros, scales, group_size, bias)
+            w = kernels.int4_dequant.int4_dequantize(qweight, qzeros, scales, group_size,
+                                                     x2.dtype)
+            y = F.linear(x2, w, bias)
     else:
         w = dequantize_packed(qweight, qzeros, scales, group_size)  # rows already in perm order
         y = F.linear(x2, w.t().to(x2.dtype), bias)
