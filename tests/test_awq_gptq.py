@@ -5,7 +5,8 @@ Checkpoints are made here (ember.testing.quantized_checkpoints): a tiny random L
 projections packed into AWQ's "gemm" layout or GPTQ's (v1 and v2 zeros, desc_act), next to the
 float32 checkpoint of the dequantized weights. Greedy tokens of ember on the packed checkpoint
 must equal HF transformers float32 on the dequantized one. On the CPU the layers compute in
-torch; the ``gpu`` cases run the Triton kernels (int4_gemv / int4_gemm) in the same checks.
+torch; the ``gpu`` cases run the CUDA path (int4_gemv for one row, int4_dequant + cuBLAS above)
+in the same checks.
 """
 
 from __future__ import annotations
@@ -58,12 +59,12 @@ def test_linear_layers_equal_their_dequantized_weights(name, make, config):
      {"group_size": 32, "desc_act": True}),
 ], ids=["awq", "gptq-desc_act"])
 def test_layers_through_the_kernels_on_the_interpreter(name, make, config, monkeypatch):
-    """The CUDA dispatch (input permutation, int4_gemv up to 16 rows, int4_gemm above) with the
-    kernels run by the Triton interpreter."""
+    """The CUDA dispatch (input permutation, int4_gemv for one row, the weight dequantized by
+    int4_dequant and F.linear above) with the kernels run by the Triton interpreter."""
     pytest.importorskip("triton")
     monkeypatch.setattr(int4_linear, "_kernels_take", lambda x: True)
     check_quantized_linear(name, make, config=config, shapes=(([32, 16], 64),),
-                           batch_sizes=(3, 20), dtypes=("float16",))
+                           batch_sizes=(1, 3, 20), dtypes=("float16",))
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +149,8 @@ def test_layers_named_in_modules_to_not_convert_stay_float():
      {"group_size": 128, "desc_act": True}),
 ])
 def test_linear_layers_on_cuda_take_the_kernels(name, make, config):
-    """Decode and prefill batch sizes (int4_gemv up to 16 rows, int4_gemm above) in half
-    precision, at a Llama-8B-like fused shape."""
+    """Decode and prefill batch sizes (int4_gemv for one row, dequantized + cuBLAS above) in
+    half precision, at a Llama-8B-like fused shape."""
     lines = check_quantized_linear(name, make, config=config, device="cuda",
                                    shapes=(([1024, 512], 4096),), batch_sizes=(1, 4, 16, 17, 300),
                                    dtypes=("float16", "bfloat16"))

@@ -6,8 +6,9 @@
 
 ``kernels``: Llama-3.1-8B's projections at 1, 4 and 16 rows and at 256: bf16 cuBLAS, the
 small-batch bf16 kernel, fp8 (per-token quantization + torch._scaled_mm, and up to 16 rows the
-small-batch kernel streaming the fp8 weight) and int4 (int4_gemv / int4_gemm, with a small sweep
-of int4_gemv tiles), each timed inside a CUDA graph over weight
+small-batch kernel streaming the fp8 weight) and int4 (int4_gemv at one row, with a small sweep
+of its tiles; at every row count the weight dequantized and cuBLAS, the layer's path above one
+row), each timed inside a CUDA graph over weight
 copies larger than L2, as bandwidth (weight bytes per second and the fraction of the copy
 bandwidth). Every kernel is checked against its dequantized reference first.
 
@@ -36,11 +37,11 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}  # Llama-3.1-8B (out, in)
 L2_FLUSH_BYTES = 200 * 2**20
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a dry run of the code on the CPU sets cpu / float16
-# (block_n, block_k, programs per SM, warps, stages, fma), timed at one row: K splits until the
-# grid holds that many programs per SM; fma = the one-row kernel (CUDA-core multiply-adds).
-GEMV_CONFIGS = [(16, 1024, 2, 4, 1, True), (16, 1024, 4, 4, 1, True), (16, 512, 2, 4, 1, True),
-                (32, 512, 2, 4, 1, True), (32, 512, 4, 4, 1, True), (32, 256, 4, 4, 1, True),
-                (64, 256, 2, 8, 1, True), (64, 256, 4, 4, 1, True), (16, 1024, 2, 8, 1, True)]
+# (block_n, block_k, programs per SM, warps, stages) of int4_gemv, timed at one row: K splits
+# until the grid holds that many programs per SM.
+GEMV_CONFIGS = [(16, 1024, 2, 4, 1), (16, 1024, 4, 4, 1), (16, 512, 2, 4, 1), (32, 512, 2, 4, 1),
+                (32, 512, 4, 4, 1), (32, 256, 4, 4, 1), (64, 256, 2, 8, 1), (64, 256, 4, 4, 1),
+                (16, 1024, 2, 8, 1)]
 
 
 def _copies(nbytes: int) -> int:
@@ -74,7 +75,6 @@ def _timer(row: dict, x: torch.Tensor, copy_bw: float):  # type: ignore[no-untyp
 def bench_kernels(ns: argparse.Namespace) -> dict:
     from ember.bench.timing import copy_bandwidth
     from ember.kernels.int4_dequant import int4_dequantize
-    from ember.kernels.int4_gemm import int4_gemm
     from ember.kernels.int4_gemv import int4_gemv
     from ember.kernels.small_batch_linear import small_batch_linear
     from ember.quantization.fp8 import fp8_linear, quantize_weight_per_channel
@@ -107,17 +107,15 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
         for m in ns.rows:
             x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
             ref = x.float() @ deq.float().T
-            got = (int4_gemv(x, qw, qz, s, 128) if m <= 16 else int4_gemm(x, qw, qz, s, 128))
-            err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
-            assert err < 2e-2, f"int4 {name} m={m}: error {err}"
-            got = F.linear(x, int4_dequantize(qw, qz, s, 128, x.dtype))
+            got = (int4_gemv(x, qw, qz, s, 128) if m == 1 else
+                   F.linear(x, int4_dequantize(qw, qz, s, 128, x.dtype)))
             err_dq = ((got.float() - ref).abs().max() / ref.abs().max()).item()
-            assert err_dq < 2e-2, f"int4 dequantized {name} m={m}: error {err_dq}"
+            assert err_dq < 2e-2, f"int4 {name} m={m}: error {err_dq}"
             got8 = fp8_linear(x, wq8, s8, None)
             ref8 = x.float() @ (wq8.float() * s8[:, None]).T
             err8 = ((got8.float() - ref8).abs().max() / ref8.abs().max()).item()
             assert err8 < 0.1, f"fp8 {name} m={m}: error {err8}"
-            row = {"shape": name, "n": n, "k": k, "rows": m, "int4_rel_error": err,
+            row = {"shape": name, "n": n, "k": k, "rows": m, "int4_rel_error": err_dq,
                    "fp8_rel_error": err8}
 
             timed = _timer(row, x, copy_bw)
@@ -129,16 +127,14 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
             if m <= 16:
                 timed("fp8_small_batch", n * k + n * 4,
                       lambda x_, wt, s8=s8: fp8_linear(x_, wt, s8, None, 16), sets["fp8"])
+            if m == 1:
                 timed("int4_gemv", int4_bytes, lambda x_, t: int4_gemv(x_, *t, 128),
                       sets["int4"])
-                for cfg in GEMV_CONFIGS if ns.sweep and m == 1 else []:  # batch 1's goal
+                for cfg in GEMV_CONFIGS if ns.sweep else []:  # batch 1's goal
                     c = _gemv_config(cfg, n, k)
                     timed(f"int4_gemv_{'x'.join(map(str, c))}", int4_bytes,
                           lambda x_, t, c=c: int4_gemv(x_, *t, 128, config=c), sets["int4"])
-            else:
-                timed("int4_gemm", int4_bytes, lambda x_, t: int4_gemm(x_, *t, 128),
-                      sets["int4"])
-            # The layer's path above 16 rows: the weight dequantized for the call, then cuBLAS.
+            # The layer's path above one row: the weight dequantized for the call, then cuBLAS.
             timed("int4_dequant_cublas", int4_bytes,
                   lambda x_, t: F.linear(x_, int4_dequantize(*t, 128, x_.dtype)), sets["int4"])
             rows.append(row)

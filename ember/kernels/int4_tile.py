@@ -1,26 +1,20 @@
-"""Pieces shared by the 4-bit kernels (int4_gemv, int4_gemm): reading tiles of a 4-bit weight in
-ember's in-memory form (column major: int32 [N, K/8], pack r of a column holding rows 8r + 2s
-and 8r + 2s + 1 in bits 4s and 16 + 4s; ember.quantization.int4_common), the one-row product
-over packs, and the group correction that turns a product over raw 4-bit values into the
-dequantized one.
+"""The one-row 4-bit GEMV's tiles (ember.kernels.int4_gemv): reading a tile of a weight in ember's
+in-memory form (column major: int32 [N, K/8], pack r of a column holding rows 8r + 2s and
+8r + 2s + 1 in bits 4s and 16 + 4s; ember.quantization.int4_common) with its zero points,
+scales and x, and the product over packs. A tile is read in sub-tiles that each lie inside one
+group, so each pack's partial takes its group's zero and scale once.
 
-The kernels never dequantize a weight element. For a tile of K rows inside one group g,
-sum_k x[k] * (q[k, n] - z[g, n]) * s[g, n] = s[g, n] * (sum_k x[k] q[k, n] - z[g, n] sum_k x[k]):
-the product runs on q (0..15, exact in any float type) and each (row, column) of the output pays
-one multiply-add per tile instead of each weight element paying a subtract and a multiply.
-A tile therefore never straddles two groups.
-
-Nor does it convert integers to floats (a quarter-rate instruction on NVIDIA GPUs, which would
-bound a 4-bit GEMV below the memory bandwidth): a float is built from its bit pattern. For the
-tensor cores, q | 0x4300 is the bfloat16 128 + q (0x6400: the float16 1024 + q) and the
-correction subtracts that offset with the zero point. For one row of half-precision x on a GPU,
-``pack_dot_bf16x2`` computes a pack's eight products in inline PTX on bfloat16 pairs: one
-mask-and-or (lop3) of the pack shifted by 4s makes the pair (128 + q[2s], 128 + q[2s + 1]), a
-packed subtract of (128 + z) makes it exactly q - z, and packed multiply-adds take it with x's
-pair (x[2s], x[2s + 1]), which a bfloat16 row holds in one 32-bit word. The pack's four pairs
-accumulate in bfloat16 before one float32 add: about 2.4 instructions per weight. Its rounding
-is that of bfloat16 products summed over four weights (2^-9 relative on each pack's partial,
-the output's own precision), well below the 4-bit weights' quantization error.
+The kernel never converts integers to floats (a quarter-rate instruction on NVIDIA GPUs, which
+would bound a 4-bit GEMV below the memory bandwidth): a float is built from its bit pattern.
+For half-precision x on a GPU, ``pack_dot_bf16x2`` computes a pack's eight products in inline
+PTX on bfloat16 pairs: one mask-and-or (lop3) of the pack shifted by 4s makes the pair
+(128 + q[2s], 128 + q[2s + 1]), a packed subtract of (128 + z) makes it exactly q - z, and
+packed multiply-adds take it with x's pair (x[2s], x[2s + 1]), which a bfloat16 row holds in
+one 32-bit word. The pack's four pairs accumulate in bfloat16 before one float32 add: about
+2.4 instructions per weight. Its rounding is that of bfloat16 products summed over four
+weights (2^-9 relative on each pack's partial, the output's own precision), well below the
+4-bit weights' quantization error. float32 x (and the interpreter) takes float32
+multiply-adds with the zero point applied per pack.
 """
 
 from __future__ import annotations
@@ -33,21 +27,6 @@ import triton.language as tl
 def _pair_shift(j: tl.constexpr):
     """Bit offset of row j (0..7) of a pack: rows 2s and 2s + 1 sit at 4s and 16 + 4s."""
     return (j % 2) * 16 + (j // 2) * 4
-
-
-@triton.jit
-def load_q_tile(qw_ptr, k0, k_hi, K, n0, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The 4-bit values [BLOCK_K, BLOCK_N] (int32) of rows k0.. (none past k_hi) and columns
-    n0.. of a [K, N] weight; 0 outside."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_r = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    mask = (offs_n < N)[:, None] & (offs_r < k_hi // 8)[None, :]
-    packs = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * (K // 8) + offs_r[None, :],
-                    mask=mask, other=0)
-    j = tl.arange(0, 8)
-    shifts = (j % 2) * 16 + (j // 2) * 4
-    q = (packs[:, :, None] >> shifts[None, None, :]) & 0xF
-    return tl.trans(tl.reshape(q, (BLOCK_N, BLOCK_K)))
 
 
 @triton.jit
@@ -159,46 +138,3 @@ def row_tile_product(weights, xpairs, x_ptr, k0, k_hi, SUB: tl.constexpr,
             t += ((packs >> _pair_shift(j)) & 0xF).to(tl.float32) * x
             xs += x
         return (t - xs * z.to(tl.float32)[:, :, None]) * scale[:, :, None]
-
-
-@triton.jit
-def q_operand(q, DTYPE: tl.constexpr):
-    """4-bit values q (int32, 0..15) as ``DTYPE`` values offset by ``q_offset(DTYPE)``, made
-    from bit patterns (see the module docstring)."""
-    if DTYPE == tl.bfloat16:
-        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    elif DTYPE == tl.float16:
-        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def q_offset(DTYPE: tl.constexpr):
-    if DTYPE == tl.bfloat16:
-        return 128.0
-    elif DTYPE == tl.float16:
-        return 1024.0
-    else:
-        return 0.0
-
-
-@triton.jit
-def group_zero_scale(qz_ptr, s_ptr, g, n0, N, BLOCK_N: tl.constexpr):
-    """Group ``g``'s zero points (int32) and scales (float32) [BLOCK_N] of columns n0.. (zeros
-    packed eight columns to an int32, column 8c + i in bits 4i..4i+3)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask = offs_n < N
-    z = tl.load(qz_ptr + g * (N // 8) + offs_n // 8, mask=mask, other=0)
-    z = (z >> ((offs_n % 8) * 4)) & 0xF
-    s = tl.load(s_ptr + g * N + offs_n, mask=mask, other=0.0).to(tl.float32)
-    return z, s
-
-
-@triton.jit
-def group_correction(part, xsum, qz_ptr, s_ptr, g, n0, N, offset, BLOCK_N: tl.constexpr):
-    """(part - xsum * (z + offset)) * s for group ``g``: ``part`` [M, BLOCK_N] = x . q over the
-    tile's rows with q carrying ``offset`` (q_operand), ``xsum`` [M] = the sum of x over the
-    same rows (both fp32)."""
-    z, s = group_zero_scale(qz_ptr, s_ptr, g, n0, N, BLOCK_N)
-    return (part - xsum[:, None] * (z.to(tl.float32) + offset)[None, :]) * s[None, :]

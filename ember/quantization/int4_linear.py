@@ -3,8 +3,9 @@
 ``qweight`` [N, K/8], ``qzeros`` [G, N/8], ``scales`` [G, N], and ``perm`` for GPTQ's desc_act), and
 computes it:
 
-- on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_gemv`` for up to
-  16 rows (decode); above, the weight dequantized for the call (``int4_dequant``) and cuBLAS;
+- on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_gemv`` for one
+  row (decoding one sequence); more rows, the weight dequantized for the call (``int4_dequant``)
+  and cuBLAS;
 - elsewhere (the CPU) in torch: the weight is dequantized for the call and multiplied. That
   saves memory, not time (the CPU's fast 4-bit path is GGUF's).
 
@@ -29,10 +30,11 @@ from ember.quantization.int4_common import (
     dequantize_packed,
 )
 
-# Up to this many rows int4_gemv streams the packed weight; above, the weight is dequantized
-# for the call and multiplied by cuBLAS (as vLLM's AWQ layer does from 256 rows): writing the
-# dense weight costs about one bf16 read of it (docs/benchmarks.md).
-GEMV_MAX_ROWS = 16
+# One row: int4_gemv streams the packed weight. More: the weight is dequantized for the call
+# and multiplied by cuBLAS (as vLLM's AWQ layer does from 256 rows). On an H200 at Llama-8B's
+# projections that beat ember's 4-bit tensor-core kernels from 4 rows on (1.1-1.9x at 4 and 16
+# rows, 2.7-4.8x at 256; docs/benchmarks.md), so they were removed.
+GEMV_MAX_ROWS = 1
 
 
 def scales_dtype(model_dtype: torch.dtype) -> torch.dtype:
