@@ -112,7 +112,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     sub = row_sub_tile(group_size, block_k)
     splits = split_k_launch(k, split_k, 2 * block_k, 1, n, n_tiles, out)
     packed_half = x.dtype != torch.float32 and compiled_for_gpu(x)
-    words = packed_half and x.dtype == torch.bfloat16
+    # A bfloat16 row read as int32 words holds the x pairs the kernel multiplies (a view that
+    # needs 4-byte alignment: a row starting at an odd element converts its pairs instead).
+    words = packed_half and x.dtype == torch.bfloat16 and x.storage_offset() % 2 == 0
     _int4_gemv_kernel[(n_tiles, splits.split_k)](
         x.view(torch.int32) if words else x, qweight, qzeros, scales,
         bias if bias is not None else scales, out, splits.partials, splits.counters, n, k,
