@@ -64,17 +64,17 @@ def pack_dot_bf16x2(packs, zeros2, x01, x23, x45, x67):
 
 
 @triton.jit
-def row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, K, GROUP: tl.constexpr,
+def row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, K8, GROUP: tl.constexpr,
                      SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The weight-side loads of one tile of the one-row product, rows k0..k0 + BLOCK_K in
-    sub-tiles of SUB rows (each inside one group): (packs [BLOCK_N, BLOCK_K / SUB, SUB / 8],
-    zero points and scales [BLOCK_N, BLOCK_K / SUB]); 0 past k_hi. A column's packs are one
-    contiguous run."""
+    sub-tiles of SUB rows (each inside one group) of a weight with K8 packs a column: (packs
+    [BLOCK_N, BLOCK_K / SUB, SUB / 8], zero points and scales [BLOCK_N, BLOCK_K / SUB]); 0 past
+    k_hi. A column's packs are one contiguous run."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
     mask = (offs_n < N)[:, None] & (sub_start < k_hi)[None, :]
     rows = (sub_start // 8)[None, :, None] + tl.arange(0, SUB // 8)[None, None, :]
-    packs = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None, None] * (K // 8) + rows,
+    packs = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None, None] * K8 + rows,
                     mask=mask[:, :, None], other=0)
     g = (sub_start // GROUP)[None, :]
     z = tl.load(qz_ptr + g * (N // 8) + (offs_n // 8)[:, None], mask=mask, other=0)
