@@ -34,13 +34,18 @@ def check_idle_report(report: dict) -> None:
     assert report["requests_holding_blocks"] == 0, report
 
 
-def sm90_compile_env() -> dict[str, str]:
-    """The environment of a script compiling kernels for sm90 (tests/sm90_launch.py): no
-    interpreter, this directory importable."""
+def run_sm90_script(script: str, timeout: float = 600):
+    """Run ``script`` (which compiles kernels for sm90 through tests/sm90_launch.py) in a fresh
+    interpreter: no TRITON_INTERPRET (this process may have it set), this directory importable.
+    Returns the subprocess.CompletedProcess (text output captured)."""
+    import subprocess
+    import sys
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
-    return env
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def assert_all_blocks_free(llm_or_engine) -> None:

@@ -419,11 +419,7 @@ def test_fp8_gemv_compiles_to_fp8_tensor_cores_for_sm90():
     streams the weight in 16-byte asynchronous copies and spills no registers (a slow-path
     division once did). Run in a fresh interpreter: this process may have TRITON_INTERPRET
     set."""
-    import subprocess
-    import sys
+    from conftest import run_sm90_script
 
-    from conftest import sm90_compile_env
-
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=sm90_compile_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_sm90_script(_SM90_SCRIPT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -248,11 +248,7 @@ def test_int4_gemv_compiles_to_wide_loads_for_sm90():
     packs (the offsets provably aligned: K / 8 passed in, whole steps per split), the pair
     unpacking in lop3 and no register spills. Run in a fresh interpreter (this process may
     have TRITON_INTERPRET set)."""
-    import subprocess
-    import sys
+    from conftest import run_sm90_script
 
-    from conftest import sm90_compile_env
-
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=sm90_compile_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_sm90_script(_SM90_SCRIPT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -12,11 +12,8 @@ Run in a fresh interpreter: this process may have TRITON_INTERPRET set.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from conftest import sm90_compile_env
+from conftest import run_sm90_script
 
 _SCRIPT = r'''
 import torch
@@ -110,7 +107,6 @@ print("compiled", len(splits))
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_as_launched():
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=sm90_compile_env(), capture_output=True,
-                          text=True, timeout=900)
+    proc = run_sm90_script(_SCRIPT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().endswith("compiled 30"), proc.stdout[-2000:]

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.int4_tile import pair_shift
 from ember.kernels.launch import cdiv
 
 BLOCK_N = 64
@@ -29,8 +30,7 @@ def _int4_dequantize_kernel(qw_ptr, qz_ptr, s_ptr, out_ptr, N, K, GROUP: tl.cons
     n_mask = offs_n < N
     packs = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * (K // 8) + k0 // 8
                     + tl.arange(0, SUB // 8)[None, :], mask=n_mask[:, None], other=0)
-    j = tl.arange(0, 8)
-    q = (packs[:, :, None] >> ((j % 2) * 16 + (j // 2) * 4)[None, None, :]) & 0xF
+    q = (packs[:, :, None] >> pair_shift(tl.arange(0, 8))[None, None, :]) & 0xF
     q = tl.reshape(q, (BLOCK_N, SUB))
     g = k0 // GROUP
     z = tl.load(qz_ptr + g * (N // 8) + offs_n // 8, mask=n_mask, other=0)

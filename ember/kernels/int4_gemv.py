@@ -25,11 +25,11 @@ from ember.kernels.split_k import split_k_launch, split_k_total
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
-                          counters_ptr, N, K, K8, k_per_split, GROUP: tl.constexpr,
-                          SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          PACKED_HALF: tl.constexpr, X_WORDS: tl.constexpr, PDL: tl.constexpr):
+def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr,
+                      N, K, K8, k_per_split, GROUP: tl.constexpr, SUB: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, PACKED_HALF: tl.constexpr, X_WORDS: tl.constexpr,
+                      PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * BLOCK_N

@@ -24,8 +24,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _pair_shift(j: tl.constexpr):
-    """Bit offset of row j (0..7) of a pack: rows 2s and 2s + 1 sit at 4s and 16 + 4s."""
+def pair_shift(j):
+    """Bit offset of row j (0..7, a constexpr or a tensor) of a pack: rows 2s and 2s + 1 sit
+    at 4s and 16 + 4s."""
     return (j % 2) * 16 + (j // 2) * 4
 
 
@@ -135,6 +136,6 @@ def row_tile_product(weights, xpairs, x_ptr, k0, k_hi, SUB: tl.constexpr,
         xs = tl.zeros(offs.shape, dtype=tl.float32)
         for j in tl.static_range(8):
             x = tl.load(x_ptr + offs + j, mask=mask, other=0.0).to(tl.float32)
-            t += ((packs >> _pair_shift(j)) & 0xF).to(tl.float32) * x
+            t += ((packs >> pair_shift(j)) & 0xF).to(tl.float32) * x
             xs += x
         return (t - xs * z.to(tl.float32)[:, :, None]) * scale[:, :, None]

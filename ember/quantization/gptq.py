@@ -59,10 +59,10 @@ class GPTQLinearMethod(Int4LinearMethod):
         return input_size // PACK, output_size  # 8 input rows per int32
 
     def checkpoint_attrs(self) -> dict[str, dict[str, Any]]:
-        column_packed = {"output_dim": 1, "input_dim": 0, "packed_dim": 1, "packed_factor": PACK}
-        return {"qweight": {"output_dim": 1, "input_dim": 0, "packed_dim": 0,
-                            "packed_factor": PACK},
-                "qzeros": column_packed, "scales": {"output_dim": 1, "input_dim": 0}}
+        # ember's zeros and scales are GPTQ's; its qweight packs 8 input rows per int32 too,
+        # but stored [in/8, out].
+        return {**self.packed_attrs(), "qweight": {"output_dim": 1, "input_dim": 0,
+                                                   "packed_dim": 0, "packed_factor": PACK}}
 
     def create_extra_weights(self, layer: Linear, input_size: int,
                              output_sizes: list[int]) -> None:  # fmt: skip

@@ -26,7 +26,6 @@ Why this form: a one-row GEMV streams each column's packs as one contiguous run 
 along K, every byte of a DRAM burst used), and one mask-and-or of a pack shifted by 4s gives
 the pair of 16-bit values (q[8r + 2s], q[8r + 2s + 1]), which meets the pair (x[8r + 2s],
 x[8r + 2s + 1]) that a bfloat16 row already holds in one 32-bit word (ember.kernels.int4_tile).
-The tensor-core kernels expand a tile along K and transpose it for their dot.
 """
 
 from __future__ import annotations
