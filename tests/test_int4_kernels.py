@@ -22,7 +22,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from ember.kernels.int4_dequant import int4_dequantize  # noqa: E402
-from ember.kernels.int4_gemv import int4_gemv, int4_gemv_config, row_sub_tile  # noqa: E402
+from ember.kernels.int4_gemv import _resolved_config, int4_gemv, row_sub_tile  # noqa: E402
+from ember.kernels.tuning import (  # noqa: E402
+    DeviceTuning,
+    Int4GemvConfig,
+    LinearRule,
+    default_tuning,
+)
 from ember.quantization.int4_common import (  # noqa: E402
     AWQ_ORDER,
     awq_to_int4,
@@ -197,9 +203,17 @@ def test_int4_dequantize_equals_the_reference(dtype, n, k, group):
 
 
 def test_gemv_config_splits_small_grids():
-    block_n, block_k, split_k, _, _ = int4_gemv_config(4096, 4096, 132)
-    assert 4096 // block_n * split_k >= 2 * 132  # two programs an SM
-    assert int4_gemv_config(28672, 4096, 132)[2] == 1  # enough tiles: unsplit
+    tuning = default_tuning()
+    for n, k in [(2048, 14336), (1024, 4096), (4096, 4096)]:
+        config = _resolved_config(tuning, n, k, 132)
+        tiles = -(-n // config.block_n)
+        # Two programs an SM, or every split at least two steps of K.
+        assert (tiles * config.split_k >= 2 * 132
+                or config.split_k == -(-k // (2 * config.block_k))), (n, k, config)
+    assert _resolved_config(tuning, 28672, 4096, 132).split_k == 1  # enough tiles: unsplit
+    # A table entry with its own split keeps it.
+    fixed = DeviceTuning({}, {}, {}, {}, (), int4_gemv=(LinearRule(Int4GemvConfig(16, 512, 3)),))
+    assert _resolved_config(fixed, 4096, 4096, 132).split_k == 3
     # Sub-tiles stay inside a group: powers of two dividing it.
     assert [row_sub_tile(g, 1024) for g in (128, 96, 4096, 11008, 24)] == [128, 32, 1024, 256, 8]
 
@@ -226,7 +240,8 @@ import torch
 from sm90_launch import compile_as_launched
 from ember.kernels import int4_gemv
 
-for k, n in [(4096, 6144), (14336, 4096)]:
+# qkv and o take 16-byte pack loads in the H200's table, down 8-byte ones.
+for k, n in [(4096, 6144), (4096, 4096), (14336, 4096)]:
     x = torch.randn(1, k).bfloat16()
     qw = torch.randint(0, 2**31 - 1, (n, k // 8), dtype=torch.int32)
     qz = torch.randint(0, 2**31 - 1, (k // 128, n // 8), dtype=torch.int32)
@@ -234,7 +249,9 @@ for k, n in [(4096, 6144), (14336, 4096)]:
     (consts, ptx), = compile_as_launched(int4_gemv, "_int4_gemv_kernel",
                                          lambda: int4_gemv.int4_gemv(x, qw, qz, s, 128))
     assert consts["X_WORDS"] and consts["PACKED_HALF"], consts
-    assert re.search(r"ld\.global[.\w]*\.v4\.b32", ptx), (k, n, "no 16-byte pack loads")
+    wide = bool(re.search(r"ld\.global[.\w]*\.v4\.b32", ptx))
+    assert wide == consts["WIDE_LOADS"], (k, n, "16-byte pack loads", wide)
+    assert wide or re.search(r"ld\.global[.\w]*\.v2\.b32", ptx), (k, n, "no 8-byte loads")
     assert "ld.local" not in ptx and "st.local" not in ptx, (k, n, "registers spilled")
     assert len(re.findall(r"lop3\.b32", ptx)) >= 4, (k, n, "no pair unpacking")
 print("ok")
@@ -245,8 +262,9 @@ print("ok")
 def test_int4_gemv_compiles_to_wide_loads_for_sm90():
     """Without a GPU: at Llama-8B's shapes with the tuned tiles, launched as int4_gemv launches
     it (tests/sm90_launch.py), the one-row kernel compiles for sm90 to 16-byte loads of the
-    packs (the offsets provably aligned: K / 8 passed in, whole steps per split), the pair
-    unpacking in lop3 and no register spills. Run in a fresh interpreter (this process may
+    packs where its table asks for them (the offsets provably aligned: K / 8 passed in, whole
+    steps per split) and 8-byte ones elsewhere, the pair unpacking in lop3 and no register
+    spills. Run in a fresh interpreter (this process may
     have TRITON_INTERPRET set)."""
     from conftest import run_sm90_script
 

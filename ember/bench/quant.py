@@ -37,11 +37,10 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}  # Llama-3.1-8B (out, in)
 L2_FLUSH_BYTES = 200 * 2**20
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a dry run of the code on the CPU sets cpu / float16
-# (block_n, block_k, programs per SM, warps, stages) of int4_gemv, timed at one row: K splits
-# until the grid holds that many programs per SM.
-GEMV_CONFIGS = [(16, 1024, 2, 4, 1), (16, 1024, 4, 4, 1), (16, 512, 2, 4, 1), (32, 512, 2, 4, 1),
-                (32, 512, 4, 4, 1), (32, 256, 4, 4, 1), (64, 256, 2, 8, 1), (64, 256, 4, 4, 1),
-                (16, 1024, 2, 8, 1)]
+# (block_n, block_k, programs per SM, warps, stages) of int4_gemv, timed at one row with 16-
+# and with 8-byte pack loads: K splits until the grid holds that many programs per SM.
+GEMV_CONFIGS = [(16, 1024, 2, 4, 1), (16, 2048, 2, 4, 1), (16, 512, 2, 4, 1), (8, 1024, 2, 4, 1),
+                (16, 1024, 3, 4, 1), (8, 2048, 2, 4, 1), (16, 1024, 4, 4, 1), (64, 256, 4, 4, 1)]
 
 
 def _copies(nbytes: int) -> int:
@@ -131,9 +130,11 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
                 timed("int4_gemv", int4_bytes, lambda x_, t: int4_gemv(x_, *t, 128),
                       sets["int4"])
                 for cfg in GEMV_CONFIGS if ns.sweep else []:  # batch 1's goal
-                    c = _gemv_config(cfg, n, k)
-                    timed(f"int4_gemv_{'x'.join(map(str, c))}", int4_bytes,
-                          lambda x_, t, c=c: int4_gemv(x_, *t, 128, config=c), sets["int4"])
+                    for wide in (True, False):
+                        c = (*_gemv_config(cfg, n, k), wide)
+                        timed(f"int4_gemv_{'x'.join(map(str, c[:5]))}_{'wide' if wide else '8b'}",
+                              int4_bytes, lambda x_, t, c=c: int4_gemv(x_, *t, 128, config=c),
+                              sets["int4"])
             # The layer's path above one row: the weight dequantized for the call, then cuBLAS.
             timed("int4_dequant_cublas", int4_bytes,
                   lambda x_, t: F.linear(x_, int4_dequantize(*t, 128, x_.dtype)), sets["int4"])

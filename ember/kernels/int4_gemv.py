@@ -6,7 +6,8 @@ columns (times K splits) reads each column's packs (ember's column-major form) a
 contiguous run, BLOCK_K rows a step, and multiplies on the CUDA cores (bfloat16 pairs in
 inline PTX on a GPU, ember.kernels.int4_tile: no layout change, no shared memory); a partial
 per pack, summed once at the end. The loads of two tiles are in flight per thread, the
-weight's first two before the PDL wait. K splits merge in the kernel (ember.kernels.split_k:
+weight's first two before the PDL wait; whether each thread loads its packs 16 bytes at a time
+or 8 is tuned per shape (ember.kernels.tuning). K splits merge in the kernel (ember.kernels.split_k:
 deterministic, no second kernel). More rows take the weight dequantized for the call and
 cuBLAS (ember.kernels.int4_dequant).
 """
@@ -22,6 +23,7 @@ import triton.language as tl
 from ember.kernels.int4_tile import row_tile_product, row_tile_weights, row_tile_x
 from ember.kernels.launch import cdiv, compiled_for_gpu, num_sms, pdl_options
 from ember.kernels.split_k import split_k_launch, split_k_total
+from ember.kernels.tuning import DeviceTuning, Int4GemvConfig, tuning_for
 
 
 @triton.jit
@@ -29,13 +31,17 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
                       N, K, K8, k_per_split, GROUP: tl.constexpr, SUB: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, PACKED_HALF: tl.constexpr, X_WORDS: tl.constexpr,
-                      PDL: tl.constexpr):
+                      WIDE_LOADS: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * BLOCK_N
-    # Pack offsets the compiler can prove 16-byte aligned (K8 = K / 8 as an argument, whole
-    # steps per split), so each thread loads 4 packs in one instruction, not 2.
-    k_lo = tl.multiple_of(pid_k * k_per_split, 2 * BLOCK_K)
+    if WIDE_LOADS:
+        # Pack offsets the compiler can prove 16-byte aligned (K8 = K / 8 as an argument, whole
+        # steps per split), so each thread loads 4 packs in one instruction, not 2.
+        k_lo = tl.multiple_of(pid_k * k_per_split, 2 * BLOCK_K)
+    else:
+        k_lo = pid_k * k_per_split
+        K8 = K // 8  # provably even only: 8-byte loads
     k_hi = tl.minimum(k_lo + k_per_split, K)
     # A register double buffer without copies: the loop body takes two tiles and reissues each
     # one's loads right after its arithmetic. The weight depends on no earlier kernel, so its
@@ -80,16 +86,21 @@ def row_sub_tile(group_size: int, block_k: int) -> int:
     return sub
 
 
+def int4_gemv_config(n: int, k: int, device: torch.device) -> Int4GemvConfig:
+    """The tuned tiles for an [k, n] weight on ``device`` (ember.kernels.tuning), with the K
+    splits resolved: a split of 0 splits K until the grid holds two programs per SM (at most
+    two steps of K per split)."""
+    return _resolved_config(tuning_for(device), n, k, num_sms(device))
+
+
 @functools.lru_cache(maxsize=1024)
-def int4_gemv_config(n: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
-    """(block_n, block_k, split_k, num_warps, num_stages) for an [k, n] weight: 16 columns x
-    1,024 rows a step in 4 warps, K split until the grid holds two programs per SM. On an H200
-    (``ember.bench.quant kernels --sweep``, 2026-12-02) within 5% of the fastest of 9 tilings
-    at each of Llama-3.1-8B's projections. The loop holds its own two tiles a step (no Triton
-    pipelining: one stage)."""
-    block_n, block_k = 16, 1024
-    split_k = max(1, min(cdiv(2 * sms, cdiv(n, block_n)), cdiv(k, 2 * block_k)))
-    return block_n, block_k, split_k, 4, 1
+def _resolved_config(tuning: DeviceTuning, n: int, k: int, sms: int) -> Int4GemvConfig:
+    config = tuning.int4_gemv_config(n, k)
+    if config.split_k == 0:
+        split_k = max(1, min(cdiv(2 * sms, cdiv(n, config.block_n)),
+                             cdiv(k, 2 * config.block_k)))
+        config = config._replace(split_k=split_k)
+    return config
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -97,8 +108,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
               config: tuple | None = None) -> torch.Tensor:
     """x [1, K] times the 4-bit weight in ember's form (qweight [N, K/8] column major, qzeros
     [G, N/8], scales [G, N]); ``group_size`` rows per group (K for one group). Output in x's
-    dtype. ``config`` = (block_n, block_k, split_k, num_warps, num_stages) overrides the
-    rule."""
+    dtype. ``config`` (an Int4GemvConfig or its leading fields, K splits given) overrides the
+    tuned one."""
     m, k = x.shape
     n = qweight.shape[0]
     assert m == 1 and qweight.shape[1] * 8 == k and scales.shape[1] == n
@@ -108,8 +119,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    block_n, block_k, split_k, num_warps, num_stages = (
-        config or int4_gemv_config(n, k, num_sms(x.device)))
+    block_n, block_k, split_k, num_warps, num_stages, wide_loads = (
+        Int4GemvConfig(*config) if config else int4_gemv_config(n, k, x.device))
     n_tiles = cdiv(n, block_n)
     sub = row_sub_tile(group_size, block_k)
     splits = split_k_launch(k, split_k, 2 * block_k, 1, n, n_tiles, out)
@@ -122,6 +133,6 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         bias if bias is not None else scales, out, splits.partials, splits.counters, n, k, k // 8,
         splits.k_per_split, GROUP=group_size, SUB=sub, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=splits.split_k, HAS_BIAS=bias is not None, PACKED_HALF=packed_half,
-        X_WORDS=words, num_warps=num_warps, num_stages=num_stages, **pdl_options(x),
+        X_WORDS=words, WIDE_LOADS=wide_loads, num_warps=num_warps, num_stages=num_stages, **pdl_options(x),
     )
     return out

@@ -1,13 +1,14 @@
 """Tuned launch configurations of the kernels, as data keyed by device.
 
 The types of the tables (``DecodeConfig``, ``PrefillConfig``, ``SmallBatchLinearConfig``,
-``Fp8GemvConfig`` and ``LinearRule``, the shape rules that pick the latter two) and
-``DeviceTuning``, one set of tables per device. A device module (``nvidia_h200``) holds one ``DeviceTuning``;
-``tuning_for(device)`` returns the entry whose key the CUDA device's name contains, and
-``default_tuning()`` for every other device and for the CPU interpreter: the H200's tables, the
-only device they were measured on. To tune a device, run ``python -m
-ember.bench.attention_kernels``, ``decode_latency`` and ``small_batch_linear`` (``--fp8`` for
-fp8_gemv) there, add a module with its tables and name it in ``_device_tunings``.
+``Fp8GemvConfig``, ``Int4GemvConfig`` and ``LinearRule``, the shape rules that pick the linear
+kernels' tiles) and ``DeviceTuning``, one set of tables per device. A device module
+(``nvidia_h200``) holds one ``DeviceTuning``; ``tuning_for(device)`` returns the entry whose
+key the CUDA device's name contains, and ``default_tuning()`` for every other device and for
+the CPU interpreter: the H200's tables, the only device they were measured on. To tune a
+device, run ``python -m ember.bench.attention_kernels``, ``decode_latency``,
+``small_batch_linear`` (``--fp8`` for fp8_gemv) and ``quant kernels --sweep`` there, add a
+module with its tables and name it in ``_device_tunings``.
 
 Nothing here imports torch or triton except ``tuning_for`` (torch, for the device name).
 """
@@ -76,6 +77,21 @@ class Fp8GemvConfig(NamedTuple):
     num_stages: int = 4
 
 
+class Int4GemvConfig(NamedTuple):
+    """Tiles of ember.kernels.int4_gemv (one row, 4-bit weights): output columns and K rows per
+    step, K splits (0: until the grid holds two programs per SM), warps, pipeline stages (the
+    kernel double-buffers in registers itself: one), and whether the pack offsets are hinted
+    16-byte aligned so each thread loads four packs an instruction instead of two (faster at
+    some shapes, slower at others: measured per shape)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 1
+    wide_loads: bool = True
+
+
 # Rows the small-batch linear kernel takes: they are padded to one tl.dot tile.
 SMALL_BATCH_LINEAR_MAX_ROWS = 16
 
@@ -85,7 +101,7 @@ class LinearRule:
     """``config`` (a linear kernel's tiles) for an [n, k] weight within these bounds (None:
     unbounded)."""
 
-    config: SmallBatchLinearConfig | Fp8GemvConfig
+    config: SmallBatchLinearConfig | Fp8GemvConfig | Int4GemvConfig
     min_elements: int | None = None  # n * k > min_elements
     max_elements: int | None = None  # n * k < max_elements
     min_n: int | None = None  # n > min_n
@@ -118,6 +134,7 @@ class DeviceTuning:
     fp8_gemv: tuple[LinearRule, ...] = ()
     # fp8_gemv given x already quantized (no quantization in the loop: other tiles win)
     fp8_gemv_quantized_x: tuple[LinearRule, ...] = ()
+    int4_gemv: tuple[LinearRule, ...] = ()
 
     def linear_config(self, n: int, k: int) -> SmallBatchLinearConfig:
         for rule in self.small_batch_linear:
@@ -130,6 +147,12 @@ class DeviceTuning:
             if rule.matches(n, k):
                 return rule.config
         return Fp8GemvConfig(64, 256)
+
+    def int4_gemv_config(self, n: int, k: int) -> Int4GemvConfig:
+        for rule in self.int4_gemv:
+            if rule.matches(n, k):
+                return rule.config
+        return Int4GemvConfig(16, 1024)
 
 
 def _device_tunings() -> dict[str, DeviceTuning]:

@@ -16,6 +16,7 @@ from ember.kernels.tuning import (
     DecodeConfig,
     DeviceTuning,
     Fp8GemvConfig,
+    Int4GemvConfig,
     LinearRule,
     PrefillConfig,
     SmallBatchLinearConfig,
@@ -74,5 +75,16 @@ TUNING = DeviceTuning(
         LinearRule(Fp8GemvConfig(64, 512, 2, 4, 4), min_k=8192),
         LinearRule(Fp8GemvConfig(64, 512, 1, 4, 4), max_n=4096),
         LinearRule(Fp8GemvConfig(64, 256, 1, 4, 4)),
+    ),
+    # int4_gemv at Llama-8B's shapes, 1 row, 8- against 16-byte pack loads in one run
+    # (ab of 2026-12-02, benchmarks/results/h200-int4-loads-ab.json): the wide loads win
+    # unsplit at qkv (6.74 against 7.44 us) and o in 8-column tiles (5.82 against 6.61 for the
+    # 16 x 1,024 split in two), and lose at gate_up (27.19 against 25.87) and wherever K is
+    # split (down 18.78 against 14.93).
+    int4_gemv=(
+        LinearRule(Int4GemvConfig(16, 1024, wide_loads=False), min_k=8192),
+        LinearRule(Int4GemvConfig(16, 1024, wide_loads=False), min_n=16384),
+        LinearRule(Int4GemvConfig(8, 1024), max_n=4096),
+        LinearRule(Int4GemvConfig(16, 1024)),
     ),
 )
