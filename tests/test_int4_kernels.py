@@ -204,13 +204,13 @@ def test_int4_dequantize_equals_the_reference(dtype, n, k, group):
 
 def test_gemv_config_splits_small_grids():
     tuning = default_tuning()
-    for n, k in [(2048, 14336), (1024, 4096), (4096, 4096)]:
+    for n, k in [(2048, 14336), (1024, 4096), (4096, 4096), (28672, 4096)]:
         config = _resolved_config(tuning, n, k, 132)
         tiles = -(-n // config.block_n)
-        # Two programs an SM, or every split at least two steps of K.
-        assert (tiles * config.split_k >= 2 * 132
+        # The entry's programs an SM, or every split at least two steps of K.
+        assert (tiles * config.split_k >= config.programs_per_sm * 132
                 or config.split_k == -(-k // (2 * config.block_k))), (n, k, config)
-    assert _resolved_config(tuning, 28672, 4096, 132).split_k == 1  # enough tiles: unsplit
+    assert _resolved_config(tuning, 6144, 4096, 132).split_k == 1  # enough tiles: unsplit
     # A table entry with its own split keeps it.
     fixed = DeviceTuning({}, {}, {}, {}, (), int4_gemv=(LinearRule(Int4GemvConfig(16, 512, 3)),))
     assert _resolved_config(fixed, 4096, 4096, 132).split_k == 3

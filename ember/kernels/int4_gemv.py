@@ -88,8 +88,8 @@ def row_sub_tile(group_size: int, block_k: int) -> int:
 
 def int4_gemv_config(n: int, k: int, device: torch.device) -> Int4GemvConfig:
     """The tuned tiles for an [k, n] weight on ``device`` (ember.kernels.tuning), with the K
-    splits resolved: a split of 0 splits K until the grid holds two programs per SM (at most
-    two steps of K per split)."""
+    splits resolved: a split of 0 splits K until the grid holds the entry's programs per SM
+    (each split at least two steps of K)."""
     return _resolved_config(tuning_for(device), n, k, num_sms(device))
 
 
@@ -97,7 +97,7 @@ def int4_gemv_config(n: int, k: int, device: torch.device) -> Int4GemvConfig:
 def _resolved_config(tuning: DeviceTuning, n: int, k: int, sms: int) -> Int4GemvConfig:
     config = tuning.int4_gemv_config(n, k)
     if config.split_k == 0:
-        split_k = max(1, min(cdiv(2 * sms, cdiv(n, config.block_n)),
+        split_k = max(1, min(cdiv(config.programs_per_sm * sms, cdiv(n, config.block_n)),
                              cdiv(k, 2 * config.block_k)))
         config = config._replace(split_k=split_k)
     return config
@@ -119,7 +119,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    block_n, block_k, split_k, num_warps, num_stages, wide_loads = (
+    block_n, block_k, split_k, num_warps, num_stages, wide_loads, _ = (
         Int4GemvConfig(*config) if config else int4_gemv_config(n, k, x.device))
     n_tiles = cdiv(n, block_n)
     sub = row_sub_tile(group_size, block_k)

@@ -79,10 +79,10 @@ class Fp8GemvConfig(NamedTuple):
 
 class Int4GemvConfig(NamedTuple):
     """Tiles of ember.kernels.int4_gemv (one row, 4-bit weights): output columns and K rows per
-    step, K splits (0: until the grid holds two programs per SM), warps, pipeline stages (the
-    kernel double-buffers in registers itself: one), and whether the pack offsets are hinted
-    16-byte aligned so each thread loads four packs an instruction instead of two (faster at
-    some shapes, slower at others: measured per shape)."""
+    step, K splits (0: until the grid holds ``programs_per_sm`` programs per SM), warps,
+    pipeline stages (the kernel double-buffers in registers itself: one), whether the pack
+    offsets are hinted 16-byte aligned so each thread loads four packs an instruction instead
+    of two (faster at some shapes, slower at others: measured per shape)."""
 
     block_n: int
     block_k: int
@@ -90,6 +90,7 @@ class Int4GemvConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 1
     wide_loads: bool = True
+    programs_per_sm: int = 2
 
 
 # Rows the small-batch linear kernel takes: they are padded to one tl.dot tile.

@@ -76,14 +76,15 @@ TUNING = DeviceTuning(
         LinearRule(Fp8GemvConfig(64, 512, 1, 4, 4), max_n=4096),
         LinearRule(Fp8GemvConfig(64, 256, 1, 4, 4)),
     ),
-    # int4_gemv at Llama-8B's shapes, 1 row, 8- against 16-byte pack loads in one run
-    # (ab of 2026-12-02, benchmarks/results/h200-int4-loads-ab.json): the wide loads win
-    # unsplit at qkv (6.74 against 7.44 us) and o in 8-column tiles (5.82 against 6.61 for the
-    # 16 x 1,024 split in two), and lose at gate_up (27.19 against 25.87) and wherever K is
-    # split (down 18.78 against 14.93).
+    # int4_gemv at Llama-8B's shapes, 1 row (ember.bench.quant kernels --sweep, 8- and 16-byte
+    # pack loads in one run; raw benchmarks/results/h200-int4-loads-*.json): the wide loads
+    # win unsplit at qkv (6.72 against 7.44 us) and o in 8-column tiles (5.78 against 6.55
+    # for 16 x 1,024 split in two), and lose at gate_up and wherever K is split (down 18.78
+    # against 14.93); the two large ones take 64 x 256 tiles, four programs an SM (gate_up
+    # 24.45 against 25.36 us, down 14.34 against 15.12).
     int4_gemv=(
-        LinearRule(Int4GemvConfig(16, 1024, wide_loads=False), min_k=8192),
-        LinearRule(Int4GemvConfig(16, 1024, wide_loads=False), min_n=16384),
+        LinearRule(Int4GemvConfig(64, 256, wide_loads=False, programs_per_sm=4), min_k=8192),
+        LinearRule(Int4GemvConfig(64, 256, wide_loads=False, programs_per_sm=4), min_n=16384),
         LinearRule(Int4GemvConfig(8, 1024), max_n=4096),
         LinearRule(Int4GemvConfig(16, 1024)),
     ),
