@@ -22,7 +22,12 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from ember.kernels.int4_dequant import int4_dequantize  # noqa: E402
-from ember.kernels.int4_gemv import _resolved_config, int4_gemv, row_sub_tile  # noqa: E402
+from ember.kernels.int4_gemv import (  # noqa: E402
+    MAX_ROWS,
+    _resolved_config,
+    int4_gemv,
+    row_sub_tile,
+)
 from ember.kernels.tuning import (  # noqa: E402
     DeviceTuning,
     Int4GemvConfig,
@@ -189,6 +194,29 @@ def test_int4_gemv(dtype, n, k, group, config, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,group,config", [
+    (2, 40, 256, 32, None),  # the tuned tiles
+    (3, 64, 512, 128, (32, 128, 2, 4, 1)),  # K split: the merge stores three rows' partials
+    (4, 32, 96, 48, (16, 64, 1, 4, 1)),  # groups of 48, the last tile short
+])
+def test_int4_gemv_rows(dtype, m, n, k, group, config):
+    """2-4 rows in one launch (each tile unpacked once for all): every row bit for bit the
+    one-row launch of the same tiles, and the reference within the one-row bounds."""
+    qw, qz, s, w = _awq_case(k, n, group, dtype)
+    x = _x(m, k, dtype)
+    b = torch.randn(n).to(dtype).to(DEV)
+    got = int4_gemv(x, qw, qz, s, group, b, config=config)
+    _check(got, x.float() @ w + b.float(), dtype)
+    for row in range(m):
+        assert torch.equal(got[row], int4_gemv(x[row:row + 1], qw, qz, s, group, b,
+                                               config=config)[0])
+    # A row view with a stride past K (a slice of a wider tensor) reads the same.
+    wide = torch.zeros(m, k + 2, dtype=dtype, device=DEV)
+    wide[:, :k] = x
+    assert torch.equal(int4_gemv(wide[:, :k], qw, qz, s, group, b, config=config), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,k,group", [(40, 128, 32), (24, 96, 96), (64, 512, 128), (16, 96, 48)])
 def test_int4_dequantize_equals_the_reference(dtype, n, k, group):
     """The dense weight the layer hands cuBLAS above 16 rows: bit for bit the reference
@@ -223,12 +251,12 @@ LLAMA8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", LLAMA8B)
-@pytest.mark.parametrize("m", [1, 4, 256])
+@pytest.mark.parametrize("m", [1, 3, 4, 256])
 def test_int4_kernels_llama8b_shapes_bf16(k, n, m):
     qw, qz, s, w = _awq_case(k, n, 128, torch.bfloat16)
     x = _x(m, k, torch.bfloat16)
     want = x.float() @ w
-    if m == 1:
+    if m <= MAX_ROWS:
         _check(int4_gemv(x, qw, qz, s, 128), want, torch.bfloat16)
         _check(int4_gemv(x, qw, qz, s, 128, config=(64, 128, 2, 4, 1)), want, torch.bfloat16)
     _check(F.linear(x, int4_dequantize(qw, qz, s, 128, x.dtype)), want, torch.bfloat16)
@@ -254,6 +282,15 @@ for k, n in [(4096, 6144), (4096, 4096), (14336, 4096)]:
     assert wide or re.search(r"ld\.global[.\w]*\.v2\.b32", ptx), (k, n, "no 8-byte loads")
     assert "ld.local" not in ptx and "st.local" not in ptx, (k, n, "registers spilled")
     assert len(re.findall(r"lop3\.b32", ptx)) >= 4, (k, n, "no pair unpacking")
+    # Four rows: each pack unpacked once (as many lop3 as one row's kernel of the same tiles).
+    one_row_lop3 = len(re.findall(r"lop3\.b32", ptx))
+    (consts, ptx), = compile_as_launched(
+        int4_gemv, "_int4_gemv_rows_kernel",
+        lambda: int4_gemv.int4_gemv(torch.randn(4, k).bfloat16(), qw, qz, s, 128,
+                                    config=int4_gemv.int4_gemv_config(n, k, x.device)))
+    assert consts["ROWS"] == 4 and consts["X_WORDS"], consts
+    assert "ld.local" not in ptx and "st.local" not in ptx, (k, n, "4 rows: registers spilled")
+    assert len(re.findall(r"lop3\.b32", ptx)) == one_row_lop3, (k, n, "4 rows: lop3 repeated")
 print("ok")
 '''
 

@@ -6,11 +6,11 @@
 
 ``kernels``: Llama-3.1-8B's projections at 1, 4 and 16 rows and at 256: bf16 cuBLAS, the
 small-batch bf16 kernel, fp8 (per-token quantization + torch._scaled_mm, and up to 16 rows the
-small-batch kernel streaming the fp8 weight) and int4 (int4_gemv at one row, with a small sweep
-of its tiles; at every row count the weight dequantized and cuBLAS, the layer's path above one
-row), each timed inside a CUDA graph over weight
-copies larger than L2, as bandwidth (weight bytes per second and the fraction of the copy
-bandwidth). Every kernel is checked against its dequantized reference first.
+small-batch kernel streaming the fp8 weight) and int4 (int4_gemv up to its 4 rows, with
+``--sweep`` a few of its tilings; at every row count the weight dequantized and cuBLAS, the
+layer's path above int4_gemv's rows), each timed inside a CUDA graph over weight copies larger
+than L2, as bandwidth (weight bytes per second and the fraction of the copy bandwidth). Every
+kernel is checked against its dequantized reference first.
 
 ``engine``: one engine per method on dummy weights (AWQ through a temporary config.json carrying
 an AWQ quantization_config; fp8 by quantizing the bf16 dummy weights at load; fp8kv = bf16 with
@@ -41,6 +41,17 @@ DEVICE, DTYPE = "cuda", torch.bfloat16  # a dry run of the code on the CPU sets 
 # and with 8-byte pack loads: K splits until the grid holds that many programs per SM.
 GEMV_CONFIGS = [(16, 1024, 2, 4, 1), (16, 2048, 2, 4, 1), (16, 512, 2, 4, 1), (8, 1024, 2, 4, 1),
                 (16, 1024, 3, 4, 1), (8, 2048, 2, 4, 1), (16, 1024, 4, 4, 1), (64, 256, 4, 4, 1)]
+# 2-4 rows: 8-byte loads, and 16 x 1,024 with both.
+GEMV_ROWS_CONFIGS = [(16, 1024, 2, 4, 1), (16, 512, 2, 4, 1), (64, 256, 4, 4, 1),
+                     (32, 256, 2, 4, 1), (8, 1024, 2, 4, 1), (32, 512, 2, 4, 1)]
+
+
+def _sweep(rows: int) -> list[tuple[tuple, bool]]:
+    """(tiles, 16-byte loads) of int4_gemv to time at ``rows`` rows: one row every tiling with
+    both load widths, more rows 8-byte loads and 16 x 1,024 with both."""
+    if rows == 1:
+        return [(cfg, wide) for cfg in GEMV_CONFIGS for wide in (True, False)]
+    return [(GEMV_ROWS_CONFIGS[0], True)] + [(cfg, False) for cfg in GEMV_ROWS_CONFIGS]
 
 
 def _copies(nbytes: int) -> int:
@@ -74,6 +85,7 @@ def _timer(row: dict, x: torch.Tensor, copy_bw: float):  # type: ignore[no-untyp
 def bench_kernels(ns: argparse.Namespace) -> dict:
     from ember.bench.timing import copy_bandwidth
     from ember.kernels.int4_dequant import int4_dequantize
+    from ember.kernels.int4_gemv import MAX_ROWS as GEMV_MAX_ROWS
     from ember.kernels.int4_gemv import int4_gemv
     from ember.kernels.small_batch_linear import small_batch_linear
     from ember.quantization.fp8 import fp8_linear, quantize_weight_per_channel
@@ -106,10 +118,10 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
         for m in ns.rows:
             x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
             ref = x.float() @ deq.float().T
-            got = (int4_gemv(x, qw, qz, s, 128) if m == 1 else
-                   F.linear(x, int4_dequantize(qw, qz, s, 128, x.dtype)))
-            err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
-            assert err < 2e-2, f"int4 {name} m={m}: error {err}"
+            for got in ([int4_gemv(x, qw, qz, s, 128)] if m <= GEMV_MAX_ROWS else []) + [
+                    F.linear(x, int4_dequantize(qw, qz, s, 128, x.dtype))]:
+                err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+                assert err < 2e-2, f"int4 {name} m={m}: error {err}"
             got8 = fp8_linear(x, wq8, s8, None)
             ref8 = x.float() @ (wq8.float() * s8[:, None]).T
             err8 = ((got8.float() - ref8).abs().max() / ref8.abs().max()).item()
@@ -126,15 +138,14 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
             if m <= 16:
                 timed("fp8_small_batch", n * k + n * 4,
                       lambda x_, wt, s8=s8: fp8_linear(x_, wt, s8, None, 16), sets["fp8"])
-            if m == 1:
+            if m <= GEMV_MAX_ROWS:
                 timed("int4_gemv", int4_bytes, lambda x_, t: int4_gemv(x_, *t, 128),
                       sets["int4"])
-                for cfg in GEMV_CONFIGS if ns.sweep else []:  # batch 1's goal
-                    for wide in (True, False):
-                        c = (*_gemv_config(cfg, n, k), wide)
-                        timed(f"int4_gemv_{'x'.join(map(str, c[:5]))}_{'wide' if wide else '8b'}",
-                              int4_bytes, lambda x_, t, c=c: int4_gemv(x_, *t, 128, config=c),
-                              sets["int4"])
+                for cfg, wide in _sweep(m) if ns.sweep else []:
+                    c = (*_gemv_config(cfg, n, k), wide)
+                    timed(f"int4_gemv_{'x'.join(map(str, c[:5]))}_{'wide' if wide else '8b'}",
+                          int4_bytes, lambda x_, t, c=c: int4_gemv(x_, *t, 128, config=c),
+                          sets["int4"])
             # The layer's path above one row: the weight dequantized for the call, then cuBLAS.
             timed("int4_dequant_cublas", int4_bytes,
                   lambda x_, t: F.linear(x_, int4_dequantize(*t, 128, x_.dtype)), sets["int4"])

@@ -20,10 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.int4_tile import row_tile_product, row_tile_weights, row_tile_x
+from ember.kernels.int4_tile import (
+    row_tile_product,
+    row_tile_weights,
+    row_tile_x,
+    rows_tile_product,
+    rows_tile_x,
+)
 from ember.kernels.launch import cdiv, compiled_for_gpu, num_sms, pdl_options
 from ember.kernels.split_k import split_k_launch, split_k_total
 from ember.kernels.tuning import DeviceTuning, Int4GemvConfig, tuning_for
+
+MAX_ROWS = 4  # rows one launch takes; the layer dequantizes the weight for more
 
 
 @triton.jit
@@ -77,6 +85,68 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
         tl.store(out_ptr + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _int4_gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
+                           counters_ptr, N, K, K8, k_per_split, stride_x, stride_o,
+                           GROUP: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           PACKED_HALF: tl.constexpr, X_WORDS: tl.constexpr,
+                           WIDE_LOADS: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+    """_int4_gemv_kernel for 2-4 rows: the same weight stream, each tile unpacked once for
+    every row (ember.kernels.int4_tile.rows_tile_product)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    if WIDE_LOADS:
+        k_lo = tl.multiple_of(pid_k * k_per_split, 2 * BLOCK_K)
+    else:
+        k_lo = pid_k * k_per_split
+        K8 = K // 8
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo, k_hi, n0, N, K8, GROUP, SUB, BLOCK_K,
+                               BLOCK_N)
+    w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo + BLOCK_K, k_hi, n0, N, K8, GROUP,
+                                SUB, BLOCK_K, BLOCK_N)
+    if PDL:  # see ember.kernels.launch.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x_first = rows_tile_x(x_ptr, stride_x, k_lo, k_hi, ROWS, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
+    x_second = rows_tile_x(x_ptr, stride_x, k_lo + BLOCK_K, k_hi, ROWS, SUB, BLOCK_K,
+                           PACKED_HALF, X_WORDS)
+    zero = tl.zeros([BLOCK_N, BLOCK_K // SUB, SUB // 8], dtype=tl.float32)
+    accs = (zero, zero, zero, zero)
+    for k0 in range(k_lo, k_hi, 2 * BLOCK_K):
+        accs = rows_tile_product(w_first, x_first, accs, x_ptr, stride_x, k0, k_hi, ROWS, SUB,
+                                 BLOCK_K, PACKED_HALF)
+        w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0 + 2 * BLOCK_K, k_hi, n0, N, K8,
+                                   GROUP, SUB, BLOCK_K, BLOCK_N)
+        x_first = rows_tile_x(x_ptr, stride_x, k0 + 2 * BLOCK_K, k_hi, ROWS, SUB, BLOCK_K,
+                              PACKED_HALF, X_WORDS)
+        accs = rows_tile_product(w_second, x_second, accs, x_ptr, stride_x, k0 + BLOCK_K, k_hi,
+                                 ROWS, SUB, BLOCK_K, PACKED_HALF)
+        w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0 + 3 * BLOCK_K, k_hi, n0, N, K8,
+                                    GROUP, SUB, BLOCK_K, BLOCK_N)
+        x_second = rows_tile_x(x_ptr, stride_x, k0 + 3 * BLOCK_K, k_hi, ROWS, SUB, BLOCK_K,
+                               PACKED_HALF, X_WORDS)
+    acc0, acc1, acc2, acc3 = accs
+    offs_m = tl.arange(0, 4)[:, None]
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    total = tl.where(offs_m == 0, tl.sum(tl.sum(acc0, 2), 1)[None, :], 0.0)
+    total = tl.where(offs_m == 1, tl.sum(tl.sum(acc1, 2), 1)[None, :], total)
+    if ROWS > 2:
+        total = tl.where(offs_m == 2, tl.sum(tl.sum(acc2, 2), 1)[None, :], total)
+    if ROWS > 3:
+        total = tl.where(offs_m == 3, tl.sum(tl.sum(acc3, 2), 1)[None, :], total)
+    mask = (offs_m < ROWS) & (offs_n < N)[None, :]
+    total, last = split_k_total(total, part_ptr, counters_ptr, pid_n, pid_k,
+                                offs_m * N + offs_n[None, :], mask, ROWS * N, SPLIT_K)
+    if last:
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m * stride_o + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
 def row_sub_tile(group_size: int, block_k: int) -> int:
     """Rows per sub-tile of the one-row kernel: the largest power of two <= block_k dividing
     the group (a group is a multiple of 8 rows), so no sub-tile straddles two groups."""
@@ -86,16 +156,17 @@ def row_sub_tile(group_size: int, block_k: int) -> int:
     return sub
 
 
-def int4_gemv_config(n: int, k: int, device: torch.device) -> Int4GemvConfig:
-    """The tuned tiles for an [k, n] weight on ``device`` (ember.kernels.tuning), with the K
-    splits resolved: a split of 0 splits K until the grid holds the entry's programs per SM
-    (each split at least two steps of K)."""
-    return _resolved_config(tuning_for(device), n, k, num_sms(device))
+def int4_gemv_config(n: int, k: int, device: torch.device, rows: int = 1) -> Int4GemvConfig:
+    """The tuned tiles for ``rows`` rows and an [k, n] weight on ``device``
+    (ember.kernels.tuning), with the K splits resolved: a split of 0 splits K until the grid
+    holds the entry's programs per SM (each split at least two steps of K)."""
+    return _resolved_config(tuning_for(device), n, k, num_sms(device), rows)
 
 
 @functools.lru_cache(maxsize=1024)
-def _resolved_config(tuning: DeviceTuning, n: int, k: int, sms: int) -> Int4GemvConfig:
-    config = tuning.int4_gemv_config(n, k)
+def _resolved_config(tuning: DeviceTuning, n: int, k: int, sms: int,
+                     rows: int = 1) -> Int4GemvConfig:
+    config = tuning.int4_gemv_config(n, k, rows)
     if config.split_k == 0:
         split_k = max(1, min(cdiv(config.programs_per_sm * sms, cdiv(n, config.block_n)),
                              cdiv(k, 2 * config.block_k)))
@@ -106,13 +177,13 @@ def _resolved_config(tuning: DeviceTuning, n: int, k: int, sms: int) -> Int4Gemv
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
               group_size: int, bias: torch.Tensor | None = None,
               config: tuple | None = None) -> torch.Tensor:
-    """x [1, K] times the 4-bit weight in ember's form (qweight [N, K/8] column major, qzeros
-    [G, N/8], scales [G, N]); ``group_size`` rows per group (K for one group). Output in x's
-    dtype. ``config`` (an Int4GemvConfig or its leading fields, K splits given) overrides the
-    tuned one."""
+    """x [M <= MAX_ROWS, K] times the 4-bit weight in ember's form (qweight [N, K/8] column
+    major, qzeros [G, N/8], scales [G, N]); ``group_size`` rows per group (K for one group).
+    Output in x's dtype. ``config`` (an Int4GemvConfig or its leading fields, K splits given)
+    overrides the tuned one."""
     m, k = x.shape
     n = qweight.shape[0]
-    assert m == 1 and qweight.shape[1] * 8 == k and scales.shape[1] == n
+    assert 1 <= m <= MAX_ROWS and qweight.shape[1] * 8 == k and scales.shape[1] == n
     assert qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -120,19 +191,25 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     if n == 0:
         return out
     block_n, block_k, split_k, num_warps, num_stages, wide_loads, _ = (
-        Int4GemvConfig(*config) if config else int4_gemv_config(n, k, x.device))
+        Int4GemvConfig(*config) if config else int4_gemv_config(n, k, x.device, m))
     n_tiles = cdiv(n, block_n)
     sub = row_sub_tile(group_size, block_k)
-    splits = split_k_launch(k, split_k, 2 * block_k, 1, n, n_tiles, out)
+    splits = split_k_launch(k, split_k, 2 * block_k, m, n, n_tiles, out)
     packed_half = x.dtype != torch.float32 and compiled_for_gpu(x)
     # A bfloat16 row read as int32 words holds the x pairs the kernel multiplies (a view that
-    # needs 4-byte alignment: a row starting at an odd element converts its pairs instead).
-    words = packed_half and x.dtype == torch.bfloat16 and x.storage_offset() % 2 == 0
-    _int4_gemv_kernel[(n_tiles, splits.split_k)](
-        x.view(torch.int32) if words else x, qweight, qzeros, scales,
-        bias if bias is not None else scales, out, splits.partials, splits.counters, n, k, k // 8,
-        splits.k_per_split, GROUP=group_size, SUB=sub, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=splits.split_k, HAS_BIAS=bias is not None, PACKED_HALF=packed_half,
-        X_WORDS=words, WIDE_LOADS=wide_loads, num_warps=num_warps, num_stages=num_stages, **pdl_options(x),
-    )
+    # needs 4-byte alignment: rows starting at an odd element convert their pairs instead).
+    words = (packed_half and x.dtype == torch.bfloat16 and x.storage_offset() % 2 == 0
+             and (m == 1 or x.stride(0) % 2 == 0))
+    x_arg = x.view(torch.int32) if words else x
+    args = (x_arg, qweight, qzeros, scales, bias if bias is not None else scales, out,
+            splits.partials, splits.counters, n, k, k // 8, splits.k_per_split)
+    meta = dict(GROUP=group_size, SUB=sub, BLOCK_N=block_n, BLOCK_K=block_k,
+                SPLIT_K=splits.split_k, HAS_BIAS=bias is not None, PACKED_HALF=packed_half,
+                X_WORDS=words, WIDE_LOADS=wide_loads, num_warps=num_warps,
+                num_stages=num_stages, **pdl_options(x))
+    if m == 1:
+        _int4_gemv_kernel[(n_tiles, splits.split_k)](*args, **meta)
+    else:
+        _int4_gemv_rows_kernel[(n_tiles, splits.split_k)](*args, x_arg.stride(0), out.stride(0),
+                                                           ROWS=m, **meta)
     return out

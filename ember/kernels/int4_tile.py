@@ -65,6 +65,52 @@ def pack_dot_bf16x2(packs, zeros2, x01, x23, x45, x67):
 
 
 @triton.jit
+def unpack_pairs_bf16x2(packs, zeros2):
+    """The four bfloat16 pairs (q[2s] - z, q[2s + 1] - z) of each pack, as int32 bits: the
+    first half of ``pack_dot_bf16x2``, for products with several rows of x. CUDA only."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 sh;
+        lop3.b32 $0, $4, 0x000f000f, 0x43004300, 0xea;
+        shr.u32 sh, $4, 4;
+        lop3.b32 $1, sh, 0x000f000f, 0x43004300, 0xea;
+        shr.u32 sh, $4, 8;
+        lop3.b32 $2, sh, 0x000f000f, 0x43004300, 0xea;
+        shr.u32 sh, $4, 12;
+        lop3.b32 $3, sh, 0x000f000f, 0x43004300, 0xea;
+        sub.rn.bf16x2 $0, $0, $5;
+        sub.rn.bf16x2 $1, $1, $5;
+        sub.rn.bf16x2 $2, $2, $5;
+        sub.rn.bf16x2 $3, $3, $5;
+        }""",
+        constraints="=r,=r,=r,=r,r,r",
+        args=[packs, zeros2], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+        pack=1)
+
+
+@triton.jit
+def pairs_dot_bf16x2(q01, q23, q45, q67, x01, x23, x45, x67):
+    """The second half of ``pack_dot_bf16x2``: float32 sum of a pack's eight products from its
+    unpacked pairs and one row's x pairs (the same roundings). CUDA only."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 acc;
+        .reg .b16 lo, hi;
+        .reg .f32 flo, fhi;
+        mul.rn.bf16x2 acc, $1, $5;
+        fma.rn.bf16x2 acc, $2, $6, acc;
+        fma.rn.bf16x2 acc, $3, $7, acc;
+        fma.rn.bf16x2 acc, $4, $8, acc;
+        mov.b32 {lo, hi}, acc;
+        cvt.f32.bf16 flo, lo;
+        cvt.f32.bf16 fhi, hi;
+        add.f32 $0, flo, fhi;
+        }""",
+        constraints="=f,r,r,r,r,r,r,r,r",
+        args=[q01, q23, q45, q67, x01, x23, x45, x67], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, K8, GROUP: tl.constexpr,
                      SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The weight-side loads of one tile of the one-row product, rows k0..k0 + BLOCK_K in
@@ -139,3 +185,56 @@ def row_tile_product(weights, xpairs, x_ptr, k0, k_hi, SUB: tl.constexpr,
             t += ((packs >> pair_shift(j)) & 0xF).to(tl.float32) * x
             xs += x
         return (t - xs * z.to(tl.float32)[:, :, None]) * scale[:, :, None]
+
+
+@triton.jit
+def rows_tile_x(x_ptr, stride_x, k0, k_hi, ROWS: tl.constexpr, SUB: tl.constexpr,
+                BLOCK_K: tl.constexpr, PACKED_HALF: tl.constexpr, X_WORDS: tl.constexpr):
+    """``row_tile_x`` of rows 0..3 of x (``stride_x`` apart, in x_ptr's elements); the rows
+    past ROWS stand in as row 0's tile and are never used."""
+    x0 = row_tile_x(x_ptr, k0, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
+    x1 = row_tile_x(x_ptr + stride_x, k0, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
+    x2 = x0
+    x3 = x0
+    if ROWS > 2:
+        x2 = row_tile_x(x_ptr + 2 * stride_x, k0, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
+    if ROWS > 3:
+        x3 = row_tile_x(x_ptr + 3 * stride_x, k0, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def rows_tile_product(weights, xs, accs, x_ptr, stride_x, k0, k_hi, ROWS: tl.constexpr,
+                      SUB: tl.constexpr, BLOCK_K: tl.constexpr, PACKED_HALF: tl.constexpr):
+    """``row_tile_product`` for ROWS (2-4) rows of x at once (``xs`` from ``rows_tile_x``),
+    added to their accumulators ``accs``: each pack is unpacked once and multiplied with every
+    row; the accumulators past ROWS come back untouched."""
+    packs, z, scale = weights
+    x0, x1, x2, x3 = xs
+    acc0, acc1, acc2, acc3 = accs
+    if PACKED_HALF:
+        q01, q23, q45, q67 = unpack_pairs_bf16x2(packs, ((z | 0x4300) * 0x10001)[:, :, None])
+        acc0 += _pairs_row_product(q01, q23, q45, q67, x0) * scale[:, :, None]
+        acc1 += _pairs_row_product(q01, q23, q45, q67, x1) * scale[:, :, None]
+        if ROWS > 2:
+            acc2 += _pairs_row_product(q01, q23, q45, q67, x2) * scale[:, :, None]
+        if ROWS > 3:
+            acc3 += _pairs_row_product(q01, q23, q45, q67, x3) * scale[:, :, None]
+    else:
+        acc0 += row_tile_product(weights, x0, x_ptr, k0, k_hi, SUB, BLOCK_K, PACKED_HALF)
+        acc1 += row_tile_product(weights, x1, x_ptr + stride_x, k0, k_hi, SUB, BLOCK_K,
+                                 PACKED_HALF)
+        if ROWS > 2:
+            acc2 += row_tile_product(weights, x2, x_ptr + 2 * stride_x, k0, k_hi, SUB, BLOCK_K,
+                                     PACKED_HALF)
+        if ROWS > 3:
+            acc3 += row_tile_product(weights, x3, x_ptr + 3 * stride_x, k0, k_hi, SUB, BLOCK_K,
+                                     PACKED_HALF)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _pairs_row_product(q01, q23, q45, q67, xpairs):
+    x01, x23, x45, x67 = xpairs
+    return pairs_dot_bf16x2(q01, q23, q45, q67, x01[None, :, :], x23[None, :, :],
+                            x45[None, :, :], x67[None, :, :])

@@ -136,6 +136,7 @@ class DeviceTuning:
     # fp8_gemv given x already quantized (no quantization in the loop: other tiles win)
     fp8_gemv_quantized_x: tuple[LinearRule, ...] = ()
     int4_gemv: tuple[LinearRule, ...] = ()
+    int4_gemv_rows: tuple[LinearRule, ...] = ()  # 2-4 rows (empty: the one-row rules)
 
     def linear_config(self, n: int, k: int) -> SmallBatchLinearConfig:
         for rule in self.small_batch_linear:
@@ -149,8 +150,8 @@ class DeviceTuning:
                 return rule.config
         return Fp8GemvConfig(64, 256)
 
-    def int4_gemv_config(self, n: int, k: int) -> Int4GemvConfig:
-        for rule in self.int4_gemv:
+    def int4_gemv_config(self, n: int, k: int, rows: int = 1) -> Int4GemvConfig:
+        for rule in self.int4_gemv if rows == 1 else self.int4_gemv_rows or self.int4_gemv:
             if rule.matches(n, k):
                 return rule.config
         return Int4GemvConfig(16, 1024)
