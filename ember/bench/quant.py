@@ -15,7 +15,8 @@ kernel is checked against its dequantized reference first.
 ``engine``: one engine per method on dummy weights (AWQ through a temporary config.json carrying
 an AWQ quantization_config; fp8 by quantizing the bf16 dummy weights at load; fp8kv = bf16 with
 kv_cache_dtype="fp8"), each timed on nano-vllm's workload (batched throughput) and at batch 1
-(single-stream decode). Reports tokens/s, the ratio to bf16, the weight bytes one decode step
+(single-stream decode) and at a few small batches (``--small-batches``). Reports tokens/s, the
+ratio to bf16, the weight bytes one decode step
 reads and the fraction of the copy bandwidth that batch-1 decode reaches.
 """
 
@@ -230,13 +231,24 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         m = out.metrics
         single_tps = (len(out.outputs[0].token_ids) - 1) / (m.last_token_time -
                                                             m.first_token_time)
+        small = {}
+        for size in ns.small_batches:  # decode of a few sequences at once, same prompt length
+            reqs = [{"prompt_token_ids": p[:128]} for p in work.prompts[1:size + 1]]
+            outs = llm.generate(reqs, SamplingParams(max_tokens=ns.single_output_len,
+                                                     ignore_eos=True, detokenize=False),
+                                use_tqdm=False)
+            first = max(o.metrics.first_token_time for o in outs)
+            last = max(o.metrics.last_token_time for o in outs)
+            small[size] = sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (last - first)
         results["methods"][method] = {
+            "small_batch_tok_s": small,
             "startup_s": startup, "output_tok_s": batch_tps, "single_stream_tok_s": single_tps,
             "decode_weight_gib": step_bytes / 2**30,
             "batch1_fraction_of_copy": step_bytes * single_tps / copy_bw,
             "batch1_limit_tok_s": copy_bw / step_bytes,
         }
-        print(method, {k: round(v, 3) for k, v in results["methods"][method].items()})
+        print(method, {k: round(v, 3) for k, v in results["methods"][method].items()
+                       if isinstance(v, float)}, "small batches", small)
         llm.shutdown()
         del llm, runner
         gc.collect()
@@ -248,11 +260,15 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         for r in results["methods"].values():
             r["batch_vs_bf16"] = r["output_tok_s"] / base["output_tok_s"]
             r["batch1_vs_bf16"] = r["single_stream_tok_s"] / base["single_stream_tok_s"]
+            r["small_batch_vs_bf16"] = {b: v / base["small_batch_tok_s"][b]
+                                        for b, v in r["small_batch_tok_s"].items()}
     for method, r in results["methods"].items():
         print(f"{method:6s} batch {r['output_tok_s']:8.0f} tok/s ({r.get('batch_vs_bf16', 1):.2f}x)"
               f"  batch-1 {r['single_stream_tok_s']:6.1f} tok/s ({r.get('batch1_vs_bf16', 1):.2f}x,"
               f" {r['batch1_fraction_of_copy']:.0%} of the copy-bandwidth limit "
-              f"{r['batch1_limit_tok_s']:.0f})  weights/step {r['decode_weight_gib']:.2f} GiB")
+              f"{r['batch1_limit_tok_s']:.0f})  weights/step {r['decode_weight_gib']:.2f} GiB"
+              + "".join(f"  batch-{b} {v:.1f} tok/s ({r.get('small_batch_vs_bf16', {}).get(b, 1):.2f}x)"
+                        for b, v in r["small_batch_tok_s"].items()))
     return results
 
 
@@ -271,6 +287,8 @@ def main() -> None:
     e.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
     e.add_argument("--max-model-len", type=int, default=4096)
     e.add_argument("--single-output-len", type=int, default=256)
+    e.add_argument("--small-batches", type=int, nargs="*", default=[2, 4],
+                   help="also decode this many sequences at once (tok/s against bf16)")
     for p in (k, e):
         p.add_argument("--out", default=None)
     ns = parser.parse_args()

@@ -1,16 +1,18 @@
-"""int4_gemv: a 4-bit (AWQ / GPTQ) linear layer for one row, streaming the packed weight.
+"""int4_gemv: a 4-bit (AWQ / GPTQ) linear layer for 1-4 rows, streaming the packed weight.
 
-Decoding one sequence, the layer is a read of its weight: 4-bit storage moves a quarter of a
+Decoding a few sequences, the layer is a read of its weight: 4-bit storage moves a quarter of a
 bf16 weight's bytes, so the kernel's job is to keep HBM busy. One program per BLOCK_N output
 columns (times K splits) reads each column's packs (ember's column-major form) as one
 contiguous run, BLOCK_K rows a step, and multiplies on the CUDA cores (bfloat16 pairs in
 inline PTX on a GPU, ember.kernels.int4_tile: no layout change, no shared memory); a partial
 per pack, summed once at the end. The loads of two tiles are in flight per thread, the
 weight's first two before the PDL wait; whether each thread loads its packs 16 bytes at a time
-or 8 is tuned per shape (ember.kernels.tuning). K splits merge in the kernel (ember.kernels.split_k:
-deterministic, no second kernel). More rows take the weight dequantized for the call and
-cuBLAS (ember.kernels.int4_dequant).
-"""
+or 8 is tuned per shape (ember.kernels.tuning). With 2-4 rows (a kernel of its own, so the
+one-row kernel stays as tuned) each pack is unpacked once and multiplied with every row: the
+arithmetic grows by the products only, and a row's result is bit for bit its one-row launch
+with the same tiles. K splits merge in the kernel (ember.kernels.split_k: deterministic, no
+second kernel). More rows take the weight dequantized for the call and cuBLAS
+(ember.kernels.int4_dequant)."""
 
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 ``qweight`` [N, K/8], ``qzeros`` [G, N/8], ``scales`` [G, N], and ``perm`` for GPTQ's desc_act), and
 computes it:
 
-- on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_gemv`` for one
-  row (decoding one sequence); more rows, the weight dequantized for the call (``int4_dequant``)
-  and cuBLAS;
+- on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_gemv`` for up
+  to 4 rows (decoding a few sequences); more rows, the weight dequantized for the call
+  (``int4_dequant``) and cuBLAS;
 - elsewhere (the CPU) in torch: the weight is dequantized for the call and multiplied. That
   saves memory, not time (the CPU's fast 4-bit path is GGUF's).
 
@@ -30,11 +30,11 @@ from ember.quantization.int4_common import (
     dequantize_packed,
 )
 
-# One row: int4_gemv streams the packed weight. More: the weight is dequantized for the call
-# and multiplied by cuBLAS (as vLLM's AWQ layer does from 256 rows). On an H200 at Llama-8B's
-# projections that beat ember's 4-bit tensor-core kernels from 4 rows on (1.1-1.9x at 4 and 16
-# rows, 2.7-4.8x at 256; docs/benchmarks.md), so they were removed.
-GEMV_MAX_ROWS = 1
+# Up to 4 rows int4_gemv streams the packed weight (each tile unpacked once for all rows).
+# More: the weight is dequantized for the call and multiplied by cuBLAS (as vLLM's AWQ layer
+# does from 256 rows). On an H200 at Llama-8B's projections that beat ember's 4-bit
+# tensor-core kernels from 4 rows on (1.1-1.9x at 4 and 16 rows, 2.7-4.8x at 256;
+# docs/benchmarks.md), so they were removed; the GEMV beats it 1.9-3.5x at 2-4 rows.
 
 
 def scales_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -73,7 +73,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     if _kernels_take(x2):
         from ember import kernels
 
-        if x2.shape[0] <= GEMV_MAX_ROWS:
+        if x2.shape[0] <= kernels.int4_gemv.MAX_ROWS:
             y = kernels.int4_gemv.int4_gemv(x2, qweight, qzeros, scales, group_size, bias)
         else:
             w = kernels.int4_dequant.int4_dequantize(qweight, qzeros, scales, group_size,

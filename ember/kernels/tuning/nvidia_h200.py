@@ -88,4 +88,9 @@ TUNING = DeviceTuning(
         LinearRule(Int4GemvConfig(8, 1024), max_n=4096),
         LinearRule(Int4GemvConfig(16, 1024)),
     ),
+    # 2-4 rows (same sweep, raw h200-int4-rows-sweep.json): 32 x 256 tiles with 8-byte loads
+    # at every shape: 83.4 us a layer's four projections at 2 rows, 118.1 at 3, 153.8 at 4
+    # (bf16 cuBLAS 117.3-117.7; the weight dequantized and cuBLAS 288-289; the one-row tiles
+    # 86.8, 113.6, 191.0).
+    int4_gemv_rows=(LinearRule(Int4GemvConfig(32, 256, wide_loads=False)),),
 )
