@@ -2,7 +2,7 @@
 
     python -m ember.bench.quant kernels --out quant_kernels.json
     python -m ember.bench.quant engine --model ember/configs/llama-3.1-8b \\
-        --methods bf16 fp8 fp8-self-quant awq fp8kv --out quant_engine.json
+        --methods bf16 fp8 fp8-exact-accum fp8-self-quant awq fp8kv --out quant_engine.json
 
 ``kernels``: Llama-3.1-8B's projections at 1, 4 and 16 rows and at 256: bf16 cuBLAS, the
 small-batch bf16 kernel, fp8 (per-token quantization + torch._scaled_mm, and up to 16 rows the
@@ -85,6 +85,7 @@ def _timer(row: dict, x: torch.Tensor, copy_bw: float):  # type: ignore[no-untyp
 
 def bench_kernels(ns: argparse.Namespace) -> dict:
     from ember.bench.timing import copy_bandwidth
+    from ember.kernels.config import kernel_config, use_kernel_config
     from ember.kernels.int4_dequant import int4_dequantize
     from ember.kernels.int4_gemv import MAX_ROWS as GEMV_MAX_ROWS
     from ember.kernels.int4_gemv import int4_gemv
@@ -136,6 +137,10 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
                 timed("bf16_small_batch", n * k * 2, small_batch_linear, sets["bf16"])
             timed("fp8_scaled_mm", n * k + n * 4,
                   lambda x_, wt, s8=s8: fp8_linear(x_, wt, s8, None), sets["fp8"])
+            with use_kernel_config(dataclasses.replace(kernel_config(),
+                                                       fp8_fast_accumulation=False)):
+                timed("fp8_scaled_mm_exact_accum", n * k + n * 4,
+                      lambda x_, wt, s8=s8: fp8_linear(x_, wt, s8, None), sets["fp8"])
             if m <= 16:
                 timed("fp8_small_batch", n * k + n * 4,
                       lambda x_, wt, s8=s8: fp8_linear(x_, wt, s8, None, 16), sets["fp8"])
@@ -199,15 +204,18 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         path = ns.model
         if method == "awq":
             path = _awq_dir(ns.model)
-        elif method in ("fp8", "fp8-self-quant"):
+        elif method in ("fp8", "fp8-self-quant", "fp8-exact-accum"):
             kw["quantization"] = "fp8"
         elif method == "fp8kv":
             kw["kv_cache_dtype"] = "fp8"
             kw["attention_backend"] = "triton"
         # fp8-self-quant: each fp8 layer quantizes its own input (the norms and SiLU-and-mul
         # write half precision), the path before quantized producers.
+        # fp8-exact-accum: cuBLASLt's fp8 GEMMs promote their partial sums to float32 (no fast
+        # accumulation).
         config = dataclasses.replace(kernel_config(),
-                                     quantized_producers=method != "fp8-self-quant")
+                                     quantized_producers=method != "fp8-self-quant",
+                                     fp8_fast_accumulation=method != "fp8-exact-accum")
         start = time.perf_counter()
         with use_kernel_config(config):
             llm = LLM(path, **kw)
@@ -281,7 +289,7 @@ def main() -> None:
     e = sub.add_parser("engine")
     e.add_argument("--model", default="ember/configs/llama-3.1-8b")
     e.add_argument("--methods", nargs="+", default=["bf16", "fp8", "awq"],
-                   choices=["bf16", "fp8", "fp8-self-quant", "awq", "fp8kv"])
+                   choices=["bf16", "fp8", "fp8-exact-accum", "fp8-self-quant", "awq", "fp8kv"])
     e.add_argument("--num-prompts", type=int, default=256)
     e.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
     e.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])

@@ -28,6 +28,10 @@ class KernelConfig:
     # after them computes on quantized activations (fp8: LinearMethod.quantized_input_dtype),
     # instead of that layer quantizing it again.
     quantized_producers: bool = True
+    # fp8 GEMMs above the small-batch rows (torch._scaled_mm) accumulate in the tensor cores'
+    # fast mode, without promoting partial sums to float32 every few K steps, as vLLM's
+    # CUTLASS fp8 kernels for sm90 do (its FP8FastAccum schedules).
+    fp8_fast_accumulation: bool = True
 
 
 _current = KernelConfig()

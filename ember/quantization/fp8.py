@@ -163,8 +163,11 @@ def fp8_linear_quantized(x: QuantizedActivation, weight: torch.Tensor,
         raise ValueError(f"cuBLASLt takes one activation scale per row, not {x.scale.shape[-1]} "
                          f"({x.data.shape[0]} rows)")
     # Row-wise scaling in cuBLASLt writes bf16; a float16 model casts the result back.
+    from ember.kernels.config import kernel_config
+
     y = torch._scaled_mm(x.data, weight.t(), scale_a=x.scale,
-                         scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
+                         scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16,
+                         use_fast_accum=kernel_config().fp8_fast_accumulation)
     if y.dtype != out_dtype:
         y = y.to(out_dtype)
     if bias is not None:
