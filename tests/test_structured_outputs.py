@@ -198,6 +198,38 @@ def test_async_scheduling_preemption_and_prefix_hits_keep_outputs():
     assert any(o.num_cached_tokens > 0 for o in outs)
 
 
+def test_deferred_accepts_end_a_grammar_the_stop_checks_let_through(monkeypatch):
+    """With async scheduling a step's grammars advance as its bitmask is filled (deferred
+    accepts, one batched call on the helper thread). A grammar completed by a token the stop
+    checks let through (eos under ignore_eos) still ends its request "stop", a step later,
+    with the tokens of a synchronous run (which ends it at once) and no KV block kept."""
+    prompts = ["Pick one:", "The capital is", "Answer with a city:"]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                             structured_outputs=_so(choice=c)) for c in CHOICES]
+    plain = LLM(max_model_len=128, async_scheduling=False)
+    assert not plain.llm_engine.engine_core.structured_output.defer_accepts
+    want = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.shutdown()
+    from ember.core.scheduler import Scheduler
+
+    ended = []
+    finish = Scheduler.finish_by_grammar
+    monkeypatch.setattr(Scheduler, "finish_by_grammar",
+                        lambda self, r, status: (ended.append(status), finish(self, r, status)))
+    deferred = LLM(max_model_len=128, async_scheduling=True)
+    core = deferred.llm_engine.engine_core
+    assert core.structured_output.defer_accepts  # the path under test
+    got = [o.outputs[0] for o in deferred.generate(prompts, params, use_tqdm=False)]
+    for choices, w, g in zip(CHOICES, want, got):
+        assert g.finish_reason == w.finish_reason == "stop"
+        assert list(g.token_ids) == list(w.token_ids) and len(g.token_ids) < 40
+        assert g.text in choices
+    assert len(ended) == len(prompts)  # each ended by its grammar, not by a stop check
+    report = core.idle_report()
+    assert report["num_free_blocks"] == report["num_total_blocks"], report
+    deferred.shutdown()
+
+
 def test_engine_core_in_its_own_process():
     """The spec crosses to a core process; the front end refuses a bad one before it goes."""
     from ember.config import EngineArgs

@@ -11,7 +11,10 @@ same tokens; the draw is not timed.
 Variants, side by side in one run, per backend:
 - `model-width`: the grammar tables and bitmask span the model's vocabulary (`--vocab-size`,
   Qwen3's 151,936 by default) as the manager did before it used the tokenizer's own size;
-- `tokenizer-width`: the manager as it is.
+- `tokenizer-width`: the manager as it is, each token accepted as it is folded in;
+- `deferred`: the same with deferred accepts (async scheduling): accept() only records the
+  token, and the fill first advances every grammar in one batched backend call (the fill's
+  time then holds the accepts).
 The tokenizer is the default model's (49,152 tokens: a word tokenizer cannot spell JSON), as in
 the H200 structured benchmark, whose model is Qwen3-0.6B.
 """
@@ -54,10 +57,12 @@ def _requests(ns: argparse.Namespace, eos: int):
             for i in range(ns.num_requests)]
 
 
-def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bool) -> dict:
+def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bool,
+                deferred: bool = False) -> dict:
     import numpy as np
 
     manager = _manager(backend, tokenizer, ns.vocab_size, model_width)
+    manager.defer_accepts = deferred
     requests = _requests(ns, tokenizer.eos_token_id)
     start = time.perf_counter()
     for request in requests:
@@ -75,6 +80,10 @@ def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bo
         t0 = time.perf_counter()
         grammar = manager.fill(live)
         t1 = time.perf_counter()
+        ended = {r.request_id for r, _ in manager.take_finished()}  # deferred: complete
+        if ended:
+            bar.update(len(ended))
+            live = [r for r in live if r.request_id not in ended]
         rows = {rid: i for i, rid in enumerate(grammar.req_ids)}
         words = grammar.bitmask.numpy()
         picks = []
@@ -101,6 +110,7 @@ def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bo
     texts = [tokenizer.decode(r.output_token_ids, skip_special_tokens=True) for r in requests]
     valid = sum(is_json(t) for t in texts)
     return {"backend": backend, "width": "model" if model_width else "tokenizer",
+            "accepts": "deferred to the fill" if deferred else "a call a token",
             "bitmask_words": (manager.vocab_size + 31) // 32, "grammars_built_s": build_s,
             "steps": steps, "tokens": tokens, "outputs_valid_json": valid,
             "accept_us_per_token": 1e6 * accept_s / tokens,
@@ -116,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--backends", nargs="+", default=["xgrammar", "guidance"])
     parser.add_argument("--variants", nargs="+", default=["model", "tokenizer"],
-                        choices=["model", "tokenizer"])
+                        choices=["model", "tokenizer", "deferred"],
+                        help="deferred: tokenizer width, the grammars advanced by the fill (one "
+                             "batched call, as under async scheduling)")
     parser.add_argument("--tokenizer", default=None,
                         help="a tokenizer directory (default: the default model's tokenizer)")
     parser.add_argument("--seed", type=int, default=0)
@@ -128,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     from ember.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(ns.tokenizer or default_model_path())
-    results = [run_variant(ns, tokenizer, backend, variant == "model")
+    results = [run_variant(ns, tokenizer, backend, variant == "model", variant == "deferred")
                for backend in ns.backends for variant in ns.variants]
     out = {"commit": git_commit(), "tokenizer": ns.tokenizer or "default model's",
            "requests": ns.num_requests, "model_vocab": ns.vocab_size,

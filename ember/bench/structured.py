@@ -129,11 +129,19 @@ def run(ns: argparse.Namespace) -> dict:
     # unconstrained runs have differed 1.7x from one invocation to the next) shows in the spread
     # of the rounds' ratios rather than in one ratio.
     rounds = []
+    manager = _structured_manager(llm) if ns.ab_deferred_accepts else None
     for _ in range(ns.repeats):
         constrained_s, constrained_timing, outs = timed(constrained)
         plain_s, plain_timing, _ = timed(plain)
         rounds.append({"constrained_s": round(constrained_s, 4), "unconstrained_s":
                        round(plain_s, 4), "ratio": round(plain_s / constrained_s, 4)})
+        if manager is not None:  # the grammars advanced on the engine thread, token by token
+            manager.defer_accepts = False
+            try:
+                engine_s, engine_timing, _ = timed(constrained)
+            finally:
+                manager.defer_accepts = True
+            rounds[-1]["constrained_engine_thread_accepts_s"] = round(engine_s, 4)
     valid = sum(is_json(o.outputs[0].text) for o in outs)
     tokens = sum(counts)
     ratios = [r["ratio"] for r in rounds]
@@ -148,10 +156,24 @@ def run(ns: argparse.Namespace) -> dict:
         "compile": compile_stats,
         "load_average": list(os.getloadavg()),  # a shared machine: how busy it was
     }
+    if manager is not None:
+        result["constrained_engine_thread_accepts_tok_s"] = tokens / statistics.median(
+            r["constrained_engine_thread_accepts_s"] for r in rounds)
     if constrained_timing is not None:  # EMBER_STEP_TIMING=1: ms per step, the last round
         result["step_ms"] = {"constrained": constrained_timing, "unconstrained": plain_timing}
+        if manager is not None:
+            result["step_ms"]["constrained_engine_thread_accepts"] = engine_timing
     llm.shutdown()
     return result
+
+
+def _structured_manager(llm):
+    """The engine core's StructuredOutputManager, which must defer its accepts (async
+    scheduling with deferred sampling) for the A/B."""
+    manager = llm.llm_engine.engine_core.structured_output
+    if not manager.defer_accepts:
+        raise SystemExit("--ab-deferred-accepts needs async scheduling (--async-scheduling)")
+    return manager
 
 
 def _reset_timer(llm):
@@ -196,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--async-scheduling", action="store_true",
                         help="force async scheduling (on where the platform defaults it; on a "
                              "CPU it runs the deferred grammar sampling of the GPU path)")
+    parser.add_argument("--ab-deferred-accepts", action="store_true",
+                        help="each round also runs the constrained requests with the grammars "
+                             "advanced on the engine thread, a call a token (the path before "
+                             "deferred accepts)")
     parser.add_argument("--out", default=None)
     ns = parser.parse_args(argv)
     result = run(ns)

@@ -75,6 +75,9 @@ class EngineCore(EngineCoreControl):
         # wait for its bitmask while its forward runs.
         self._defer_grammar_sampling = self.async_scheduling and getattr(
             self.executor, "defers_grammar_sampling", False)
+        # Then the grammars also advance on the bitmask helper thread, in one batched backend
+        # call that releases the GIL, instead of a call a token on this thread.
+        self.structured_output.defer_accepts = self._defer_grammar_sampling
         if self._defer_grammar_sampling and not platform.device_is_host():
             # The runner is in this process: bitmasks are filled into page-locked buffers it
             # copies to the device as they are. One a step: the one being filled, the one the
@@ -188,15 +191,19 @@ class EngineCore(EngineCoreControl):
                 plan.grammar_bitmask = structured.fill(grammar_rows)
         timer.mark("schedule")
         launched = None if plan.is_empty else (plan, self.executor.launch(plan))
+        # Requests whose grammar the last fill found complete end now that this step is
+        # launched (they may be in it, as in the step in flight: their tokens are dropped).
+        self._end_finished_grammars()
         timer.mark("prepare")
         if self.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         if launched is None:
             if plan.grammar_deferred:  # nothing was in flight: the grammars are current
                 self._finish_sampling(plan, grammar_rows)
+                self._end_finished_grammars()
             if plan.is_empty and self._in_flight is None and scheduler.compiling:
                 structured.wait(0.01)  # only grammars being built: don't spin
-            return self._report_failed(folded or EngineCoreOutputs(timestamp=time.time()))
+            return self._report_ended(folded or EngineCoreOutputs(timestamp=time.time()))
         result = launched[1].resolve()  # the step's one device-to-host sync
         timer.mark("wait")
         outputs = self._fold_in(launched[0], result)
@@ -206,7 +213,7 @@ class EngineCore(EngineCoreControl):
             # next step is (that step reads the sampled tokens on the device).
             self._pending_bitmask = structured.fill_async(grammar_rows)
             timer.mark("grammar")
-        return self._report_failed(outputs)
+        return self._report_ended(outputs)
 
     def _step_batch_queue(self) -> EngineCoreOutputs:
         """Pipeline parallelism (vLLM's step_with_batch_queue): launch a new batch while fewer
@@ -227,18 +234,19 @@ class EngineCore(EngineCoreControl):
             timer.mark("schedule")
             if not plan.is_empty:
                 queue.append((plan, self.executor.launch(plan)))
+                self._end_finished_grammars()
                 timer.mark("prepare")
                 self.peak_batches_in_flight = max(self.peak_batches_in_flight, len(queue))
                 if len(queue) < self.max_concurrent_batches:
-                    return self._report_failed(EngineCoreOutputs(timestamp=time.time()))
+                    return self._report_ended(EngineCoreOutputs(timestamp=time.time()))
         if not queue:
             if scheduler.compiling:
                 structured.wait(0.01)  # only grammars being built: don't spin
-            return self._report_failed(EngineCoreOutputs(timestamp=time.time()))
+            return self._report_ended(EngineCoreOutputs(timestamp=time.time()))
         plan, launched = queue.popleft()
         result = launched.resolve()
         timer.mark("wait")
-        return self._report_failed(self._fold_in(plan, result))
+        return self._report_ended(self._fold_in(plan, result))
 
     def _launch_deferred_sampling(self) -> None:
         """Launch the in-flight step's sampling under the bitmask filled for it meanwhile."""
@@ -262,14 +270,23 @@ class EngineCore(EngineCoreControl):
         self.executor.finish_sampling(self._in_flight[1], bitmask)
         self.timer.mark("sample")
 
-    def _report_failed(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
-        """Requests whose grammar could not be built end with finish_reason "abort"."""
-        failed = self.scheduler.failed
-        if failed:
-            outputs.outputs.extend(EngineCoreOutput(r.request_id, finish_reason="abort")
-                                   for r in failed)
-            failed.clear()
+    def _report_ended(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Requests ended outside a fold-in (Scheduler.ended): a grammar that could not be
+        built ("abort"), or one found complete ("stop") or refusing its token ("abort") as its
+        bitmask was filled."""
+        ended = self.scheduler.ended
+        if ended:
+            outputs.outputs.extend(EngineCoreOutput(r.request_id,
+                                                    finish_reason=r.status.finish_reason)
+                                   for r in ended)
+            ended.clear()
         return outputs
+
+    def _end_finished_grammars(self) -> None:
+        """End the requests whose grammar the last fill found complete or refusing a token
+        (deferred accepts, ember.structured_output.manager)."""
+        for request, status in self.structured_output.take_finished():
+            self.scheduler.finish_by_grammar(request, status)
 
     def _fold_in(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         touched = self.scheduler.update_from_output(plan, result)

@@ -58,10 +58,12 @@ class Scheduler:
         self.waiting = make_waiting_queue(policy)
         self.running: list[Request] = []
         # Structured outputs (ember.structured_output.manager): requests whose grammar is being
-        # built, and those whose build failed (ended "abort"; the engine core reports them).
+        # built, and those ended outside a step's fold-in (a failed build: "abort"; a grammar
+        # found complete or refusing a token as the bitmask was filled: finish_by_grammar); the
+        # engine core reports the latter with its next outputs.
         self.structured_output = structured_output
         self.compiling: list[Request] = []
-        self.failed: list[Request] = []
+        self.ended: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the workers at the next step
         self._known_to_workers: dict[str, int] = {}  # req id -> blocks the workers know of
         # Workers keep a preempted request's state (its generator) until it finishes.
@@ -89,7 +91,7 @@ class Scheduler:
             elif request.structured_output.error is not None:
                 request.status = RequestStatus.FINISHED_ABORTED
                 self._free(request)
-                self.failed.append(request)
+                self.ended.append(request)
             else:
                 self.waiting.append(request)
         self.compiling = still
@@ -103,6 +105,18 @@ class Scheduler:
             self._remove(request)
             request.status = status
             self._free(request)
+
+    def finish_by_grammar(self, request: Request, status: RequestStatus) -> None:
+        """End a request whose grammar, advanced as its bitmask was filled (deferred accepts:
+        ember.structured_output.manager), completed (``FINISHED_STOPPED``) or refused its
+        token (``FINISHED_ABORTED``): as update_from_output would have, a step later; its
+        token sampled meanwhile is dropped."""
+        if request.is_finished() or self.requests.get(request.request_id) is not request:
+            return
+        self._remove(request)
+        request.status = status
+        self._free(request)
+        self.ended.append(request)
 
     def _remove(self, request: Request) -> None:
         try:

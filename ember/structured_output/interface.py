@@ -137,6 +137,16 @@ class StructuredOutputBackend(ABC):
     def compile(self, spec: GrammarSpec) -> Any:
         """Compile a spec (on a worker thread; the result is cached and shared by requests)."""
 
+    def shutdown(self) -> None:
+        """Release threads or other resources (optional; the engine core's shutdown calls
+        it)."""
+
+    def accept_tokens(self, grammars: list[Grammar], tokens: list[int]) -> list[bool]:
+        """Advance each grammar by its token (a step's sampled tokens; with async scheduling
+        on the bitmask helper thread); whether each was allowed. A backend with a batched call
+        that releases the GIL overrides this loop."""
+        return [grammar.accept_token(token) for grammar, token in zip(grammars, tokens)]
+
     @abstractmethod
     def new_grammar(self, compiled: Any, stop_token_ids: list[int]) -> Grammar:
         """A fresh matcher for one request; `stop_token_ids` end the grammar (the engine's eos)."""

@@ -46,7 +46,7 @@ class StructuredOutputRequest:
     """A request's grammar: its spec, the build in progress, then the matcher."""
 
     __slots__ = ("spec", "backend", "future", "grammar", "num_accepted", "error", "state",
-                 "start")
+                 "start", "ended")
 
     def __init__(self, spec: GrammarSpec, backend: str) -> None:
         self.spec = spec
@@ -59,6 +59,9 @@ class StructuredOutputRequest:
         # answer started, at output index `start`; before that the output is not constrained.
         self.state = ANSWER
         self.start = 0
+        # Deferred accepts: the status a fill found the grammar ending the request with (it
+        # is complete, or refused a token), until the engine core ends it.
+        self.ended: RequestStatus | None = None
 
 
 class StructuredOutputManager:
@@ -86,6 +89,14 @@ class StructuredOutputManager:
         self._switch_lock = threading.Lock()  # fill_async's switch interval (see there)
         self._fills_pending = 0
         self._saved_switch_interval = sys.getswitchinterval()
+        # Deferred accepts (set by the engine core under deferred sampling): accept() only
+        # records a token, and the next fill advances the grammars first, in one batched
+        # backend call a step (StructuredOutputBackend.accept_tokens, which xgrammar runs
+        # without the GIL) on fill_async's helper thread instead of a call a token on the
+        # engine thread. A grammar the fill finds complete or refusing its token is reported
+        # by take_finished() for the engine core to end.
+        self.defer_accepts = False
+        self._finished: list[tuple[Request, RequestStatus]] = []
         # Host buffers the bitmasks are filled into, used in turn (use_host_buffers).
         self._allocate_host: Callable[[int], Any] | None = None
         self._host_buffers: list[Any] = []
@@ -211,6 +222,8 @@ class StructuredOutputManager:
             so.start = len(request.output_token_ids) - (1 if was == UNDECIDED else 0)
             if was != UNDECIDED:
                 return False  # the end tag: the answer starts with the next token
+        if self.defer_accepts:
+            return False  # the next fill advances the grammar (see __init__)
         grammar = so.grammar
         so.num_accepted += 1
         if not grammar.accept_token(token):
@@ -295,22 +308,36 @@ class StructuredOutputManager:
                 if self._fills_pending == 0:
                     sys.setswitchinterval(self._saved_switch_interval)
 
+    def take_finished(self) -> list[tuple[Request, RequestStatus]]:
+        """The requests (and the status to end them with) whose grammar the fills since the
+        last call found complete or refusing its token (deferred accepts); the engine core
+        ends them (Scheduler.finish_by_grammar)."""
+        finished, self._finished = self._finished, []
+        return finished
+
     def _rows(self, requests: list[Request]) -> tuple:
         """(the requests with a bitmask row, each backend's grammars and rows, the rows whose
-        first token may open a reasoning block)."""
+        first token may open a reasoning block, and with deferred accepts the rows whose
+        grammar has tokens to take first: (row, request, tokens))."""
         constrained: list[Request] = []
         by_backend: dict[str, tuple[list, list[int]]] = {}
         undecided = []
+        advances: list[tuple[int, Request, list[int]]] = []
         for request in requests:
             so = request.structured_output
-            if request.status >= RequestStatus.FINISHED_STOPPED or so.state == REASONING:
+            if (request.status >= RequestStatus.FINISHED_STOPPED or so.state == REASONING
+                    or so.ended is not None):
                 continue
             outputs = request.output_token_ids
             grammar = so.grammar
-            if so.num_accepted < len(outputs) - so.start:  # replay what it has not seen
-                while so.num_accepted < len(outputs) - so.start:
-                    grammar.accept_token(outputs[so.start + so.num_accepted])
-                    so.num_accepted += 1
+            behind = len(outputs) - so.start - so.num_accepted
+            if behind > 0 and self.defer_accepts:  # advanced by the fill (_advance)
+                advances.append((len(constrained), request, outputs[-behind:]))
+                so.num_accepted += behind
+            elif behind > 0:  # replay what it has not seen
+                for token in outputs[-behind:]:
+                    grammar.accept_token(token)
+                so.num_accepted += behind
                 if grammar.is_terminated():
                     continue
             # (else it is not complete: accept() finished the request when it completed)
@@ -323,13 +350,48 @@ class StructuredOutputManager:
                 entry = by_backend[so.backend] = ([], [])
             entry[0].append(grammar)
             entry[1].append(row)
-        return constrained, by_backend, undecided
+        return constrained, by_backend, undecided, advances
+
+    def _advance(self, advances: list[tuple[int, Request, list[int]]]) -> set[int]:
+        """Deferred accepts: each row's grammar takes its tokens (one token each, the usual
+        case, in one backend call per backend); returns the rows whose grammar then ends the
+        request (complete, or refusing a token: recorded for take_finished)."""
+        single: dict[str, list[tuple[int, Request, int]]] = {}
+        outcomes: list[tuple[int, Request, bool]] = []
+        for row, request, tokens in advances:
+            if len(tokens) == 1:
+                single.setdefault(request.structured_output.backend, []).append(
+                    (row, request, tokens[0]))
+            else:  # a replay (the rows behind by more than a token): token by token
+                grammar = request.structured_output.grammar
+                outcomes.append((row, request, all(grammar.accept_token(t) for t in tokens)))
+        for name, items in single.items():
+            accepted = self._backends[name].accept_tokens(
+                [r.structured_output.grammar for _, r, _ in items], [t for _, _, t in items])
+            outcomes.extend((row, r, ok) for (row, r, _), ok in zip(items, accepted))
+        ended = set()
+        for row, request, ok in outcomes:
+            so = request.structured_output
+            if not ok:
+                logger.error("request %s: the grammar refused a sampled token; aborting it",
+                             request.request_id)
+                so.ended = RequestStatus.FINISHED_ABORTED
+            elif so.grammar.is_terminated():
+                so.ended = RequestStatus.FINISHED_STOPPED
+            else:
+                continue
+            self._finished.append((request, so.ended))
+            ended.add(row)
+        return ended
 
     def _fill_rows(self, rows: tuple, slot: int | None = None) -> GrammarBitmask:
         import numpy as np
         import torch
 
-        constrained, by_backend, undecided = rows
+        constrained, by_backend, undecided, advances = rows
+        # Deferred accepts first (their rows left unmasked if the request ends: its sample is
+        # dropped).
+        ended = self._advance(advances) if advances else ()
         # Made here, on fill_async's helper thread (numpy fills it without the GIL). numpy, not
         # torch.full: a torch op on the host wakes its thread pool, whose spinning threads then
         # compete with the grammar backends' fill threads (4x slower on an H200 host with 16
@@ -349,6 +411,11 @@ class StructuredOutputManager:
             array.fill(-1)
         start = time.perf_counter()
         for name, (grammars, row_ids) in by_backend.items():
+            if ended:
+                kept = [(g, r) for g, r in zip(grammars, row_ids) if r not in ended]
+                if not kept:
+                    continue
+                grammars, row_ids = [g for g, _ in kept], [r for _, r in kept]
             self._backends[name].fill_bitmasks(grammars, bitmask, row_ids)
         self.last_fill = (start, time.perf_counter())
         if undecided:  # the first token may also open a reasoning block
@@ -364,3 +431,5 @@ class StructuredOutputManager:
         if self._fill_thread is not None:
             self._fill_thread.shutdown(wait=True)
             self._fill_thread = None
+        for backend in self._backends.values():
+            backend.shutdown()
