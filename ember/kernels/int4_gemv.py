@@ -37,6 +37,33 @@ MAX_ROWS = 4  # rows one launch takes; the layer dequantizes the weight for more
 
 
 @triton.jit
+def _stream_start(qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP: tl.constexpr,
+                  SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  WIDE_LOADS: tl.constexpr, PDL: tl.constexpr):
+    """A program's first column, its split's rows [k_lo, k_hi), the packs a column, and the
+    loads of its first two weight tiles: issued before the PDL wait, as the weight depends on
+    no earlier kernel, while the kernel before still runs. WIDE_LOADS: pack offsets the
+    compiler can prove 16-byte aligned (K8 = K / 8 passed in, whole steps per split), so each
+    thread loads 4 packs an instruction, not 2; otherwise K / 8 is provably even only."""
+    n0 = tl.program_id(0) * BLOCK_N
+    if WIDE_LOADS:
+        k_lo = tl.multiple_of(tl.program_id(1) * k_per_split, 2 * BLOCK_K)
+        k8 = K8
+    else:
+        k_lo = tl.program_id(1) * k_per_split
+        k8 = K // 8
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo, k_hi, n0, N, k8, GROUP, SUB, BLOCK_K,
+                               BLOCK_N)
+    w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo + BLOCK_K, k_hi, n0, N, k8, GROUP,
+                                SUB, BLOCK_K, BLOCK_N)
+    if PDL:  # see ember.kernels.launch.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    return n0, k_lo, k_hi, k8, w_first, w_second
+
+
+@triton.jit
 def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr,
                       N, K, K8, k_per_split, GROUP: tl.constexpr, SUB: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -44,25 +71,11 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
                       WIDE_LOADS: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    n0 = pid_n * BLOCK_N
-    if WIDE_LOADS:
-        # Pack offsets the compiler can prove 16-byte aligned (K8 = K / 8 as an argument, whole
-        # steps per split), so each thread loads 4 packs in one instruction, not 2.
-        k_lo = tl.multiple_of(pid_k * k_per_split, 2 * BLOCK_K)
-    else:
-        k_lo = pid_k * k_per_split
-        K8 = K // 8  # provably even only: 8-byte loads
-    k_hi = tl.minimum(k_lo + k_per_split, K)
     # A register double buffer without copies: the loop body takes two tiles and reissues each
-    # one's loads right after its arithmetic. The weight depends on no earlier kernel, so its
-    # first two tiles are read before the PDL wait, while the kernel before still runs.
-    w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo, k_hi, n0, N, K8, GROUP, SUB, BLOCK_K,
-                               BLOCK_N)
-    w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo + BLOCK_K, k_hi, n0, N, K8, GROUP,
-                                SUB, BLOCK_K, BLOCK_N)
-    if PDL:  # see ember.kernels.launch.pdl_options
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # one's loads right after its arithmetic.
+    n0, k_lo, k_hi, K8, w_first, w_second = _stream_start(
+        qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP, SUB, BLOCK_N, BLOCK_K, WIDE_LOADS,
+        PDL)
     x_first = row_tile_x(x_ptr, k_lo, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
     x_second = row_tile_x(x_ptr, k_lo + BLOCK_K, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
     acc = tl.zeros([BLOCK_N, BLOCK_K // SUB, SUB // 8], dtype=tl.float32)
@@ -98,20 +111,9 @@ def _int4_gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part
     every row (ember.kernels.int4_tile.rows_tile_product)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    n0 = pid_n * BLOCK_N
-    if WIDE_LOADS:
-        k_lo = tl.multiple_of(pid_k * k_per_split, 2 * BLOCK_K)
-    else:
-        k_lo = pid_k * k_per_split
-        K8 = K // 8
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo, k_hi, n0, N, K8, GROUP, SUB, BLOCK_K,
-                               BLOCK_N)
-    w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo + BLOCK_K, k_hi, n0, N, K8, GROUP,
-                                SUB, BLOCK_K, BLOCK_N)
-    if PDL:  # see ember.kernels.launch.pdl_options
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    n0, k_lo, k_hi, K8, w_first, w_second = _stream_start(
+        qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP, SUB, BLOCK_N, BLOCK_K, WIDE_LOADS,
+        PDL)
     x_first = rows_tile_x(x_ptr, stride_x, k_lo, k_hi, ROWS, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
     x_second = rows_tile_x(x_ptr, stride_x, k_lo + BLOCK_K, k_hi, ROWS, SUB, BLOCK_K,
                            PACKED_HALF, X_WORDS)

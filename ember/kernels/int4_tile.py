@@ -35,39 +35,15 @@ def pack_dot_bf16x2(packs, zeros2, x01, x23, x45, x67):
     """float32 sum_i x[i] (q[i] - z) of each pack (see the module docstring): ``zeros2`` the
     bfloat16 pair (128 + z, 128 + z) of the pack's column, ``xIJ`` the bfloat16 pair (x[I],
     x[J]) of the pack's rows, all as int32 bits. CUDA only (inline PTX, sm_90)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 qa, qb, qc, qd, sh;
-        .reg .b16 lo, hi;
-        .reg .f32 flo, fhi;
-        lop3.b32 qa, $1, 0x000f000f, 0x43004300, 0xea;
-        shr.u32 sh, $1, 4;
-        lop3.b32 qb, sh, 0x000f000f, 0x43004300, 0xea;
-        shr.u32 sh, $1, 8;
-        lop3.b32 qc, sh, 0x000f000f, 0x43004300, 0xea;
-        shr.u32 sh, $1, 12;
-        lop3.b32 qd, sh, 0x000f000f, 0x43004300, 0xea;
-        sub.rn.bf16x2 qa, qa, $2;
-        sub.rn.bf16x2 qb, qb, $2;
-        sub.rn.bf16x2 qc, qc, $2;
-        sub.rn.bf16x2 qd, qd, $2;
-        mul.rn.bf16x2 qa, qa, $3;
-        fma.rn.bf16x2 qa, qb, $4, qa;
-        fma.rn.bf16x2 qa, qc, $5, qa;
-        fma.rn.bf16x2 qa, qd, $6, qa;
-        mov.b32 {lo, hi}, qa;
-        cvt.f32.bf16 flo, lo;
-        cvt.f32.bf16 fhi, hi;
-        add.f32 $0, flo, fhi;
-        }""",
-        constraints="=f,r,r,r,r,r,r",
-        args=[packs, zeros2, x01, x23, x45, x67], dtype=tl.float32, is_pure=True, pack=1)
+    q01, q23, q45, q67 = unpack_pairs_bf16x2(packs, zeros2)
+    return pairs_dot_bf16x2(q01, q23, q45, q67, x01, x23, x45, x67)
 
 
 @triton.jit
 def unpack_pairs_bf16x2(packs, zeros2):
-    """The four bfloat16 pairs (q[2s] - z, q[2s + 1] - z) of each pack, as int32 bits: the
-    first half of ``pack_dot_bf16x2``, for products with several rows of x. CUDA only."""
+    """The four bfloat16 pairs (q[2s] - z, q[2s + 1] - z) of each pack, as int32 bits: one
+    ``lop3`` a pair and a packed subtract (the first half of ``pack_dot_bf16x2``; with several
+    rows of x, once for all of them). CUDA only."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 sh;
@@ -91,7 +67,8 @@ def unpack_pairs_bf16x2(packs, zeros2):
 @triton.jit
 def pairs_dot_bf16x2(q01, q23, q45, q67, x01, x23, x45, x67):
     """The second half of ``pack_dot_bf16x2``: float32 sum of a pack's eight products from its
-    unpacked pairs and one row's x pairs (the same roundings). CUDA only."""
+    unpacked pairs and one row's x pairs (bfloat16 multiply-adds, one float32 add). CUDA
+    only."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 acc;

@@ -140,6 +140,7 @@ class StructuredOutputBackend(ABC):
     def shutdown(self) -> None:
         """Release threads or other resources (optional; the engine core's shutdown calls
         it)."""
+        return None
 
     def accept_tokens(self, grammars: list[Grammar], tokens: list[int]) -> list[bool]:
         """Advance each grammar by its token (a step's sampled tokens; with async scheduling
