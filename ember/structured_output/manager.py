@@ -7,6 +7,9 @@
 - `accept(request, token)`: after each sampled token (the scheduler's update_from_output);
   returns True when the request is finished: the grammar is complete (status FINISHED_STOPPED)
   or refused the token (FINISHED_ABORTED, logged; it cannot happen with the mask applied).
+  Under async scheduling (`defer_accepts`) it only records the token: the next fill advances
+  the grammars in one batched backend call on its helper thread, and `take_finished()` gives
+  the requests it found complete or refusing, which the engine core ends.
 - `sampling_rows(plan)` / `fill(requests)`: the int32 bitmask rows (xgrammar's / llguidance's
   layout) of the scheduled requests that sample this step under a grammar, for the sampler. The
   rows are chosen when the step is planned and filled once the tokens before it are folded in:

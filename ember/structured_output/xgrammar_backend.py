@@ -16,10 +16,10 @@ from typing import Any
 from ember.structured_output.config import StructuredOutputsConfig
 from ember.structured_output.interface import Grammar, GrammarSpec, StructuredOutputBackend
 
-# String formats xgrammar's JSON-schema converter turns into grammar rules.
 # accept_tokens splits a step's rows into chunks of at least this many, one a fill thread: a
 # chunk is ~1-4 us a row of native work, which must outweigh the hand-over to a thread.
 ACCEPT_CHUNK_ROWS = 64
+# String formats xgrammar's JSON-schema converter turns into grammar rules.
 _FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
             "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
 # Keyword -> why it is refused (xgrammar would ignore it).
