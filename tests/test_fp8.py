@@ -423,3 +423,27 @@ def test_fp8_gemv_compiles_to_fp8_tensor_cores_for_sm90():
 
     proc = run_sm90_script(_SM90_SCRIPT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_scaled_mm_accumulates_as_the_kernel_config_says(monkeypatch):
+    """Above the small-batch rows the fp8 GEMM is torch._scaled_mm with fast accumulation (as
+    vLLM's sm90 CUTLASS kernels), unless KernelConfig.fp8_fast_accumulation is off."""
+    import dataclasses
+
+    from ember.kernels.config import kernel_config, use_kernel_config
+    from ember.layers.linear import QuantizedActivation
+    from ember.quantization.fp8 import fp8_linear_quantized
+
+    seen = []
+
+    def scaled_mm(a, b, **kwargs):
+        seen.append(kwargs["use_fast_accum"])
+        return torch.zeros(a.shape[0], b.shape[1], dtype=kwargs["out_dtype"])
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    x = QuantizedActivation(torch.zeros(20, 32, dtype=torch.float8_e4m3fn), torch.ones(20, 1))
+    weight, scale = torch.zeros(16, 32, dtype=torch.float8_e4m3fn), torch.ones(16)
+    fp8_linear_quantized(x, weight, scale, None, torch.bfloat16)
+    with use_kernel_config(dataclasses.replace(kernel_config(), fp8_fast_accumulation=False)):
+        fp8_linear_quantized(x, weight, scale, None, torch.bfloat16)
+    assert seen == [True, False]

@@ -78,7 +78,7 @@ class Fp8GemvConfig(NamedTuple):
 
 
 class Int4GemvConfig(NamedTuple):
-    """Tiles of ember.kernels.int4_gemv (one row, 4-bit weights): output columns and K rows per
+    """Tiles of ember.kernels.int4_gemv (1-4 rows, 4-bit weights): output columns and K rows per
     step, K splits (0: until the grid holds ``programs_per_sm`` programs per SM), warps,
     pipeline stages (the kernel double-buffers in registers itself: one), whether the pack
     offsets are hinted 16-byte aligned so each thread loads four packs an instruction instead
