@@ -137,11 +137,6 @@ class StructuredOutputBackend(ABC):
     def compile(self, spec: GrammarSpec) -> Any:
         """Compile a spec (on a worker thread; the result is cached and shared by requests)."""
 
-    def shutdown(self) -> None:
-        """Release threads or other resources (optional; the engine core's shutdown calls
-        it)."""
-        return None
-
     def accept_tokens(self, grammars: list[Grammar], tokens: list[int]) -> list[bool]:
         """Advance each grammar by its token (a step's sampled tokens; with async scheduling
         on the bitmask helper thread); whether each was allowed. A backend with a batched call

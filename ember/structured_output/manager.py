@@ -434,5 +434,3 @@ class StructuredOutputManager:
         if self._fill_thread is not None:
             self._fill_thread.shutdown(wait=True)
             self._fill_thread = None
-        for backend in self._backends.values():
-            backend.shutdown()
