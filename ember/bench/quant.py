@@ -16,8 +16,8 @@ kernel is checked against its dequantized reference first.
 an AWQ quantization_config; fp8 by quantizing the bf16 dummy weights at load; fp8kv = bf16 with
 kv_cache_dtype="fp8"), each timed on nano-vllm's workload (batched throughput) and at batch 1
 (single-stream decode) and at a few small batches (``--small-batches``). Reports tokens/s, the
-ratio to bf16, the weight bytes one decode step
-reads and the fraction of the copy bandwidth that batch-1 decode reaches.
+ratio to bf16, the weight bytes one decode step reads and the fraction of the copy bandwidth
+that batch-1 decode reaches.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
                     timed(f"int4_gemv_{'x'.join(map(str, c[:5]))}_{'wide' if wide else '8b'}",
                           int4_bytes, lambda x_, t, c=c: int4_gemv(x_, *t, 128, config=c),
                           sets["int4"])
-            # The layer's path above one row: the weight dequantized for the call, then cuBLAS.
+            # The layer's path above int4_gemv's rows: the weight dequantized, then cuBLAS.
             timed("int4_dequant_cublas", int4_bytes,
                   lambda x_, t: F.linear(x_, int4_dequantize(*t, 128, x_.dtype)), sets["int4"])
             rows.append(row)
