@@ -285,7 +285,7 @@ for k, n in [(4096, 6144), (4096, 4096), (14336, 4096)]:
     # Four rows: each pack unpacked once (as many lop3 as one row's kernel of the same tiles).
     one_row_lop3 = len(re.findall(r"lop3\.b32", ptx))
     (consts, ptx), = compile_as_launched(
-        int4_gemv, "_int4_gemv_rows_kernel",
+        int4_gemv, "_int4_gemv_kernel",
         lambda: int4_gemv.int4_gemv(torch.randn(4, k).bfloat16(), qw, qz, s, 128,
                                     config=int4_gemv.int4_gemv_config(n, k, x.device)))
     assert consts["ROWS"] == 4 and consts["X_WORDS"], consts

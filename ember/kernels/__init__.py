@@ -10,15 +10,15 @@
     small_batch_linear  weight-streaming linear layer for up to 16 rows
     fused_moe           mixture-of-experts routing, expert sort and grouped GEMMs
     moe_decode          the mixture-of-experts layer for one token: two kernels, no sort
-    int4_gemv           4-bit (AWQ/GPTQ) linear layer for one row, weight streaming
-    int4_dequant        4-bit (AWQ/GPTQ) weight written out dense, for cuBLAS above one row
+    int4_gemv           4-bit (AWQ/GPTQ) linear layer for 1-4 rows, weight streaming
+    int4_dequant        4-bit (AWQ/GPTQ) weight written out dense, for cuBLAS above 4 rows
     fp8_quant           dynamic per-token float8 quantization of activations (W8A8 layers)
     fp8_gemv            fp8 (W8A8) linear layer for up to 16 rows on fp8 tensor cores
 
 Shared pieces: ``launch`` (grid arithmetic, SM count, programmatic dependent launch, merge
 counters), ``buffers`` (persistent scratch buffers, one per purpose and device),
-``attention_common`` (score scaling inside the attention kernels), ``int4_tile`` (the one-row
-4-bit GEMV's tiles), ``split_k`` (the linear kernels' in-kernel K-split merge), ``tuning`` (tuned
+``attention_common`` (score scaling inside the attention kernels), ``int4_tile`` (the 4-bit
+GEMV's tiles), ``split_k`` (the linear kernels' in-kernel K-split merge), ``tuning`` (tuned
 tile configurations per device, as data), ``config`` (``KernelConfig``: what stays switchable,
 set once per process) and ``dispatch`` (whether a layer takes a kernel).
 

@@ -7,12 +7,11 @@ contiguous run, BLOCK_K rows a step, and multiplies on the CUDA cores (bfloat16 
 inline PTX on a GPU, ember.kernels.int4_tile: no layout change, no shared memory); a partial
 per pack, summed once at the end. The loads of two tiles are in flight per thread, the
 weight's first two before the PDL wait; whether each thread loads its packs 16 bytes at a time
-or 8 is tuned per shape (ember.kernels.tuning). With 2-4 rows (a kernel of its own, so the
-one-row kernel stays as tuned) each pack is unpacked once and multiplied with every row: the
-arithmetic grows by the products only, and a row's result is bit for bit its one-row launch
-with the same tiles. K splits merge in the kernel (ember.kernels.split_k: deterministic, no
-second kernel). More rows take the weight dequantized for the call and cuBLAS
-(ember.kernels.int4_dequant)."""
+or 8 is tuned per shape (ember.kernels.tuning). With 2-4 rows (ROWS, a constexpr) each pack
+is unpacked once and multiplied with every row: the arithmetic grows by the products only, and
+a row's result is bit for bit its one-row launch with the same tiles. K splits merge in the
+kernel (ember.kernels.split_k: deterministic, no second kernel). More rows take the weight
+dequantized for the call and cuBLAS (ember.kernels.int4_dequant)."""
 
 from __future__ import annotations
 
@@ -22,13 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.int4_tile import (
-    row_tile_product,
-    row_tile_weights,
-    row_tile_x,
-    rows_tile_product,
-    rows_tile_x,
-)
+from ember.kernels.int4_tile import row_tile_weights, rows_tile_product, rows_tile_x
 from ember.kernels.launch import cdiv, compiled_for_gpu, num_sms, pdl_options
 from ember.kernels.split_k import split_k_launch, split_k_total
 from ember.kernels.tuning import DeviceTuning, Int4GemvConfig, tuning_for
@@ -65,52 +58,15 @@ def _stream_start(qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP: tl.conste
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr,
-                      N, K, K8, k_per_split, GROUP: tl.constexpr, SUB: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, PACKED_HALF: tl.constexpr, X_WORDS: tl.constexpr,
-                      WIDE_LOADS: tl.constexpr, PDL: tl.constexpr):
+                      N, K, K8, k_per_split, stride_x, stride_o, GROUP: tl.constexpr,
+                      SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED_HALF: tl.constexpr,
+                      X_WORDS: tl.constexpr, WIDE_LOADS: tl.constexpr, ROWS: tl.constexpr,
+                      ROWS_P: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # A register double buffer without copies: the loop body takes two tiles and reissues each
     # one's loads right after its arithmetic.
-    n0, k_lo, k_hi, K8, w_first, w_second = _stream_start(
-        qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP, SUB, BLOCK_N, BLOCK_K, WIDE_LOADS,
-        PDL)
-    x_first = row_tile_x(x_ptr, k_lo, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
-    x_second = row_tile_x(x_ptr, k_lo + BLOCK_K, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // SUB, SUB // 8], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, 2 * BLOCK_K):
-        acc += row_tile_product(w_first, x_first, x_ptr, k0, k_hi, SUB, BLOCK_K, PACKED_HALF)
-        w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0 + 2 * BLOCK_K, k_hi, n0, N, K8,
-                                   GROUP, SUB, BLOCK_K, BLOCK_N)
-        x_first = row_tile_x(x_ptr, k0 + 2 * BLOCK_K, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
-        acc += row_tile_product(w_second, x_second, x_ptr, k0 + BLOCK_K, k_hi, SUB, BLOCK_K,
-                                PACKED_HALF)
-        w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0 + 3 * BLOCK_K, k_hi, n0, N, K8,
-                                    GROUP, SUB, BLOCK_K, BLOCK_N)
-        x_second = row_tile_x(x_ptr, k0 + 3 * BLOCK_K, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = (offs_n < N)[None, :]
-    total = tl.sum(tl.sum(acc, 2), 1)[None, :]
-    total, last = split_k_total(total, part_ptr, counters_ptr, pid_n, pid_k, offs_n[None, :],
-                                n_mask, N, SPLIT_K)
-    if last:
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _int4_gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
-                           counters_ptr, N, K, K8, k_per_split, stride_x, stride_o,
-                           GROUP: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           PACKED_HALF: tl.constexpr, X_WORDS: tl.constexpr,
-                           WIDE_LOADS: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
-    """_int4_gemv_kernel for 2-4 rows: the same weight stream, each tile unpacked once for
-    every row (ember.kernels.int4_tile.rows_tile_product)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     n0, k_lo, k_hi, K8, w_first, w_second = _stream_start(
         qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP, SUB, BLOCK_N, BLOCK_K, WIDE_LOADS,
         PDL)
@@ -133,10 +89,12 @@ def _int4_gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part
         x_second = rows_tile_x(x_ptr, stride_x, k0 + 3 * BLOCK_K, k_hi, ROWS, SUB, BLOCK_K,
                                PACKED_HALF, X_WORDS)
     acc0, acc1, acc2, acc3 = accs
-    offs_m = tl.arange(0, 4)[:, None]
+    offs_m = tl.arange(0, ROWS_P)[:, None]  # ROWS_P: ROWS up to a power of two
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    total = tl.where(offs_m == 0, tl.sum(tl.sum(acc0, 2), 1)[None, :], 0.0)
-    total = tl.where(offs_m == 1, tl.sum(tl.sum(acc1, 2), 1)[None, :], total)
+    total = tl.sum(tl.sum(acc0, 2), 1)[None, :]
+    if ROWS > 1:
+        total = tl.where(offs_m == 0, total, 0.0)
+        total = tl.where(offs_m == 1, tl.sum(tl.sum(acc1, 2), 1)[None, :], total)
     if ROWS > 2:
         total = tl.where(offs_m == 2, tl.sum(tl.sum(acc2, 2), 1)[None, :], total)
     if ROWS > 3:
@@ -152,7 +110,7 @@ def _int4_gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part
 
 
 def row_sub_tile(group_size: int, block_k: int) -> int:
-    """Rows per sub-tile of the one-row kernel: the largest power of two <= block_k dividing
+    """Rows per sub-tile of the GEMV: the largest power of two <= block_k dividing
     the group (a group is a multiple of 8 rows), so no sub-tile straddles two groups."""
     sub = 1 << (min(group_size, block_k).bit_length() - 1)
     while sub > 8 and group_size % sub:
@@ -211,9 +169,6 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
                 SPLIT_K=splits.split_k, HAS_BIAS=bias is not None, PACKED_HALF=packed_half,
                 X_WORDS=words, WIDE_LOADS=wide_loads, num_warps=num_warps,
                 num_stages=num_stages, **pdl_options(x))
-    if m == 1:
-        _int4_gemv_kernel[(n_tiles, splits.split_k)](*args, **meta)
-    else:
-        _int4_gemv_rows_kernel[(n_tiles, splits.split_k)](*args, x_arg.stride(0), out.stride(0),
-                                                           ROWS=m, **meta)
+    _int4_gemv_kernel[(n_tiles, splits.split_k)](*args, x_arg.stride(0), out.stride(0), ROWS=m,
+                                                 ROWS_P=1 << (m - 1).bit_length(), **meta)
     return out

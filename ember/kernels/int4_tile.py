@@ -1,21 +1,21 @@
-"""The one-row 4-bit GEMV's tiles (ember.kernels.int4_gemv): reading a tile of a weight in ember's
+"""The 4-bit GEMV's tiles (ember.kernels.int4_gemv): reading a tile of a weight in ember's
 in-memory form (column major: int32 [N, K/8], pack r of a column holding rows 8r + 2s and
 8r + 2s + 1 in bits 4s and 16 + 4s; ember.quantization.int4_common) with its zero points,
-scales and x, and the product over packs. A tile is read in sub-tiles that each lie inside one
-group, so each pack's partial takes its group's zero and scale once.
+scales and 1-4 rows of x, and the product over packs. A tile is read in sub-tiles that each
+lie inside one group, so each pack's partial takes its group's zero and scale once.
 
 The kernel never converts integers to floats (a quarter-rate instruction on NVIDIA GPUs, which
 would bound a 4-bit GEMV below the memory bandwidth): a float is built from its bit pattern.
-For half-precision x on a GPU, ``pack_dot_bf16x2`` computes a pack's eight products in inline
-PTX on bfloat16 pairs: one mask-and-or (lop3) of the pack shifted by 4s makes the pair
-(128 + q[2s], 128 + q[2s + 1]), a packed subtract of (128 + z) makes it exactly q - z, and
-packed multiply-adds take it with x's pair (x[2s], x[2s + 1]), which a bfloat16 row holds in
-one 32-bit word. The pack's four pairs accumulate in bfloat16 before one float32 add: about
-2.4 instructions per weight. Its rounding is that of bfloat16 products summed over four
-weights (2^-9 relative on each pack's partial, the output's own precision), well below the
-4-bit weights' quantization error. float32 x (and the interpreter) takes float32
-multiply-adds with the zero point applied per pack.
-"""
+For half-precision x on a GPU a pack's eight products run in inline PTX on bfloat16 pairs:
+``unpack_pairs_bf16x2`` makes, with one mask-and-or (lop3) of the pack shifted by 4s, the pair
+(128 + q[2s], 128 + q[2s + 1]) and with a packed subtract of (128 + z) exactly q - z, once for
+every row; ``pairs_dot_bf16x2`` takes the pairs with x's pairs (x[2s], x[2s + 1]), which a
+bfloat16 row holds in one 32-bit word, in packed multiply-adds. The pack's four pairs
+accumulate in bfloat16 before one float32 add: about 2.4 instructions per weight at one row.
+Its rounding is that of bfloat16 products summed over four weights (2^-9 relative on each
+pack's partial, the output's own precision), well below the 4-bit weights' quantization error.
+float32 x (and the interpreter) takes float32 multiply-adds with the zero point applied per
+pack."""
 
 from __future__ import annotations
 
@@ -31,19 +31,10 @@ def pair_shift(j):
 
 
 @triton.jit
-def pack_dot_bf16x2(packs, zeros2, x01, x23, x45, x67):
-    """float32 sum_i x[i] (q[i] - z) of each pack (see the module docstring): ``zeros2`` the
-    bfloat16 pair (128 + z, 128 + z) of the pack's column, ``xIJ`` the bfloat16 pair (x[I],
-    x[J]) of the pack's rows, all as int32 bits. CUDA only (inline PTX, sm_90)."""
-    q01, q23, q45, q67 = unpack_pairs_bf16x2(packs, zeros2)
-    return pairs_dot_bf16x2(q01, q23, q45, q67, x01, x23, x45, x67)
-
-
-@triton.jit
 def unpack_pairs_bf16x2(packs, zeros2):
     """The four bfloat16 pairs (q[2s] - z, q[2s + 1] - z) of each pack, as int32 bits: one
-    ``lop3`` a pair and a packed subtract (the first half of ``pack_dot_bf16x2``; with several
-    rows of x, once for all of them). CUDA only."""
+    ``lop3`` a pair and a packed subtract (with several rows of x, once for all of them). CUDA
+    only."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 sh;
@@ -66,9 +57,8 @@ def unpack_pairs_bf16x2(packs, zeros2):
 
 @triton.jit
 def pairs_dot_bf16x2(q01, q23, q45, q67, x01, x23, x45, x67):
-    """The second half of ``pack_dot_bf16x2``: float32 sum of a pack's eight products from its
-    unpacked pairs and one row's x pairs (bfloat16 multiply-adds, one float32 add). CUDA
-    only."""
+    """float32 sum of a pack's eight products from its unpacked pairs and one row's x pairs
+    (bfloat16 multiply-adds, one float32 add). CUDA only."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 acc;
@@ -141,38 +131,34 @@ def row_tile_x(x_ptr, k0, k_hi, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
-def row_tile_product(weights, xpairs, x_ptr, k0, k_hi, SUB: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PACKED_HALF: tl.constexpr):
-    """[BLOCK_N, BLOCK_K / SUB, SUB / 8] float32: per pack, the dequantized product of one row
-    of x with the tile whose loads ``row_tile_weights`` and ``row_tile_x`` made."""
-    packs, z, scale = weights
-    if PACKED_HALF:
-        x01, x23, x45, x67 = xpairs
-        t = pack_dot_bf16x2(packs, ((z | 0x4300) * 0x10001)[:, :, None], x01[None, :, :],
-                            x23[None, :, :], x45[None, :, :], x67[None, :, :])
-        return t * scale[:, :, None]
-    else:  # float32 multiply-adds (float32 x, and the interpreter)
-        sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
-        offs = (sub_start[:, None] + 8 * tl.arange(0, SUB // 8)[None, :])[None, :, :]
-        mask = (sub_start < k_hi)[None, :, None]
-        t = tl.zeros(packs.shape, dtype=tl.float32)
-        xs = tl.zeros(offs.shape, dtype=tl.float32)
-        for j in tl.static_range(8):
-            x = tl.load(x_ptr + offs + j, mask=mask, other=0.0).to(tl.float32)
-            t += ((packs >> pair_shift(j)) & 0xF).to(tl.float32) * x
-            xs += x
-        return (t - xs * z.to(tl.float32)[:, :, None]) * scale[:, :, None]
+def _float_row_product(packs, z, scale, x_ptr, k0, k_hi, SUB: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K / SUB, SUB / 8] float32: per pack, the dequantized product of the row
+    of x at ``x_ptr`` with the tile, in float32 multiply-adds with the zero point applied per
+    pack (float32 x, and the interpreter)."""
+    sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
+    offs = (sub_start[:, None] + 8 * tl.arange(0, SUB // 8)[None, :])[None, :, :]
+    mask = (sub_start < k_hi)[None, :, None]
+    t = tl.zeros(packs.shape, dtype=tl.float32)
+    xs = tl.zeros(offs.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        x = tl.load(x_ptr + offs + j, mask=mask, other=0.0).to(tl.float32)
+        t += ((packs >> pair_shift(j)) & 0xF).to(tl.float32) * x
+        xs += x
+    return (t - xs * z.to(tl.float32)[:, :, None]) * scale[:, :, None]
 
 
 @triton.jit
 def rows_tile_x(x_ptr, stride_x, k0, k_hi, ROWS: tl.constexpr, SUB: tl.constexpr,
                 BLOCK_K: tl.constexpr, PACKED_HALF: tl.constexpr, X_WORDS: tl.constexpr):
     """``row_tile_x`` of rows 0..3 of x (``stride_x`` apart, in x_ptr's elements); the rows
-    past ROWS stand in as row 0's tile and are never used."""
+    past ROWS (1-4) stand in as row 0's tile and are never used."""
     x0 = row_tile_x(x_ptr, k0, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
-    x1 = row_tile_x(x_ptr + stride_x, k0, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
+    x1 = x0
     x2 = x0
     x3 = x0
+    if ROWS > 1:
+        x1 = row_tile_x(x_ptr + stride_x, k0, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
     if ROWS > 2:
         x2 = row_tile_x(x_ptr + 2 * stride_x, k0, k_hi, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
     if ROWS > 3:
@@ -183,30 +169,32 @@ def rows_tile_x(x_ptr, stride_x, k0, k_hi, ROWS: tl.constexpr, SUB: tl.constexpr
 @triton.jit
 def rows_tile_product(weights, xs, accs, x_ptr, stride_x, k0, k_hi, ROWS: tl.constexpr,
                       SUB: tl.constexpr, BLOCK_K: tl.constexpr, PACKED_HALF: tl.constexpr):
-    """``row_tile_product`` for ROWS (2-4) rows of x at once (``xs`` from ``rows_tile_x``),
-    added to their accumulators ``accs``: each pack is unpacked once and multiplied with every
-    row; the accumulators past ROWS come back untouched."""
+    """[BLOCK_N, BLOCK_K / SUB, SUB / 8] float32 per row: the dequantized product of ROWS (1-4)
+    rows of x (``xs`` from ``rows_tile_x``) with the tile ``row_tile_weights`` loaded, added to
+    their accumulators ``accs``: each pack is unpacked once and multiplied with every row; the
+    accumulators past ROWS come back untouched."""
     packs, z, scale = weights
     x0, x1, x2, x3 = xs
     acc0, acc1, acc2, acc3 = accs
     if PACKED_HALF:
         q01, q23, q45, q67 = unpack_pairs_bf16x2(packs, ((z | 0x4300) * 0x10001)[:, :, None])
         acc0 += _pairs_row_product(q01, q23, q45, q67, x0) * scale[:, :, None]
-        acc1 += _pairs_row_product(q01, q23, q45, q67, x1) * scale[:, :, None]
+        if ROWS > 1:
+            acc1 += _pairs_row_product(q01, q23, q45, q67, x1) * scale[:, :, None]
         if ROWS > 2:
             acc2 += _pairs_row_product(q01, q23, q45, q67, x2) * scale[:, :, None]
         if ROWS > 3:
             acc3 += _pairs_row_product(q01, q23, q45, q67, x3) * scale[:, :, None]
-    else:
-        acc0 += row_tile_product(weights, x0, x_ptr, k0, k_hi, SUB, BLOCK_K, PACKED_HALF)
-        acc1 += row_tile_product(weights, x1, x_ptr + stride_x, k0, k_hi, SUB, BLOCK_K,
-                                 PACKED_HALF)
+    else:  # x read as it is multiplied (row_tile_x loaded nothing)
+        acc0 += _float_row_product(packs, z, scale, x_ptr, k0, k_hi, SUB, BLOCK_K)
+        if ROWS > 1:
+            acc1 += _float_row_product(packs, z, scale, x_ptr + stride_x, k0, k_hi, SUB, BLOCK_K)
         if ROWS > 2:
-            acc2 += row_tile_product(weights, x2, x_ptr + 2 * stride_x, k0, k_hi, SUB, BLOCK_K,
-                                     PACKED_HALF)
+            acc2 += _float_row_product(packs, z, scale, x_ptr + 2 * stride_x, k0, k_hi, SUB,
+                                       BLOCK_K)
         if ROWS > 3:
-            acc3 += row_tile_product(weights, x3, x_ptr + 3 * stride_x, k0, k_hi, SUB, BLOCK_K,
-                                     PACKED_HALF)
+            acc3 += _float_row_product(packs, z, scale, x_ptr + 3 * stride_x, k0, k_hi, SUB,
+                                       BLOCK_K)
     return acc0, acc1, acc2, acc3
 
 

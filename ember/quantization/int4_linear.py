@@ -30,12 +30,6 @@ from ember.quantization.int4_common import (
     dequantize_packed,
 )
 
-# Up to 4 rows int4_gemv streams the packed weight (each tile unpacked once for all rows).
-# More: the weight is dequantized for the call and multiplied by cuBLAS (as vLLM's AWQ layer
-# does from 256 rows). On an H200 at Llama-8B's projections that beat ember's 4-bit
-# tensor-core kernels from 4 rows on (1.1-1.9x at 4 and 16 rows, 2.7-4.8x at 256;
-# docs/benchmarks.md), so they were removed; the GEMV beats it 1.9-3.5x at 2-4 rows.
-
 
 def scales_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if model_dtype == torch.float32 else torch.float16
@@ -73,6 +67,10 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     if _kernels_take(x2):
         from ember import kernels
 
+        # Up to 4 rows the GEMV streams the packed weight; more, the weight is dequantized for
+        # the call and cuBLAS multiplies (as vLLM's AWQ layer does from 256 rows): on an H200
+        # that beat 4-bit tensor-core kernels at 4-256 rows, and the GEMV beats it 1.9-3.5x
+        # at 2-4 rows (docs/benchmarks.md).
         if x2.shape[0] <= kernels.int4_gemv.MAX_ROWS:
             y = kernels.int4_gemv.int4_gemv(x2, qweight, qzeros, scales, group_size, bias)
         else:
