@@ -93,6 +93,13 @@ def grammar_threads() -> int | None:
     return int(value)
 
 
+def grammar_deferred_accepts() -> bool:
+    """EMBER_GRAMMAR_DEFERRED_ACCEPTS=1: under async scheduling the grammars advance on the
+    bitmask helper thread, in one batched backend call, instead of a call a token on the engine
+    thread (default off: measured slower on the H200, docs/benchmarks.md)."""
+    return _flag("EMBER_GRAMMAR_DEFERRED_ACCEPTS")
+
+
 def cache_dir() -> str | None:
     """EMBER_CACHE_DIR: where ember keeps what it derives from a model file to load it faster
     the next time (a GGUF file's converted tokenizer, and its model as the gguf method packed it

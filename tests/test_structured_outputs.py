@@ -199,8 +199,8 @@ def test_async_scheduling_preemption_and_prefix_hits_keep_outputs():
 
 
 def test_deferred_accepts_end_a_grammar_the_stop_checks_let_through(monkeypatch):
-    """With async scheduling a step's grammars advance as its bitmask is filled (deferred
-    accepts, one batched call on the helper thread). A grammar completed by a token the stop
+    """With async scheduling and EMBER_GRAMMAR_DEFERRED_ACCEPTS=1 a step's grammars advance as
+    its bitmask is filled (deferred accepts, one batched call on the helper thread). A grammar completed by a token the stop
     checks let through (eos under ignore_eos) still ends its request "stop", a step later,
     with the tokens of a synchronous run (which ends it at once) and no KV block kept."""
     prompts = ["Pick one:", "The capital is", "Answer with a city:"]
@@ -216,6 +216,10 @@ def test_deferred_accepts_end_a_grammar_the_stop_checks_let_through(monkeypatch)
     finish = Scheduler.finish_by_grammar
     monkeypatch.setattr(Scheduler, "finish_by_grammar",
                         lambda self, r, status: (ended.append(status), finish(self, r, status)))
+    default = LLM(max_model_len=128, async_scheduling=True)
+    assert not default.llm_engine.engine_core.structured_output.defer_accepts  # opt-in
+    default.shutdown()
+    monkeypatch.setenv("EMBER_GRAMMAR_DEFERRED_ACCEPTS", "1")
     deferred = LLM(max_model_len=128, async_scheduling=True)
     core = deferred.llm_engine.engine_core
     assert core.structured_output.defer_accepts  # the path under test
