@@ -200,9 +200,10 @@ def test_async_scheduling_preemption_and_prefix_hits_keep_outputs():
 
 def test_deferred_accepts_end_a_grammar_the_stop_checks_let_through(monkeypatch):
     """With async scheduling and EMBER_GRAMMAR_DEFERRED_ACCEPTS=1 a step's grammars advance as
-    its bitmask is filled (deferred accepts, one batched call on the helper thread). A grammar completed by a token the stop
-    checks let through (eos under ignore_eos) still ends its request "stop", a step later,
-    with the tokens of a synchronous run (which ends it at once) and no KV block kept."""
+    its bitmask is filled (deferred accepts, one batched call on the helper thread). A grammar
+    completed by a token the stop checks let through (eos under ignore_eos) still ends its
+    request "stop", a step later, with the tokens of a synchronous run (which ends it at once)
+    and no KV block kept."""
     prompts = ["Pick one:", "The capital is", "Answer with a city:"]
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
                              structured_outputs=_so(choice=c)) for c in CHOICES]
