@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from ember.quantization.base import QuantizationMethod
 
 logger = logging.getLogger("ember")
-FORMAT = 1  # raise when what an entry holds changes meaning
+FORMAT = 2  # raise when what an entry holds changes meaning (2: native 4-bit CPU layers)
 _RECIPE = "recipe.json"  # written last: a directory without it is incomplete
 _TENSORS = "tensors.safetensors"
 MAX_BYTES = 4 * 2**30  # all entries together; the default model's is ~200 MB
@@ -92,6 +92,10 @@ def load(cfg: ModelConfig, method: QuantizationMethod | None, model_cls: type[nn
         with open(os.path.join(directory, _RECIPE)) as f:
             recipe = json.load(f)
         tensors = load_file(os.path.join(directory, _TENSORS), device=str(device))
+        # A tensor sits in the file where the ones before it end, but torch's CPU kernels may
+        # assume their allocator's 64-byte alignment (the int8 weight-only matmul faults on an
+        # int8 head 8 bytes off): a misaligned tensor is copied.
+        tensors = {name: t.clone() if t.data_ptr() % 64 else t for name, t in tensors.items()}
         for alias, name in recipe["aliases"].items():  # tied weights: one tensor, two names
             tensors[alias] = tensors[name]
         model = build_empty(cfg.hf_config, model_cls, attn_backend, dtype, device)
