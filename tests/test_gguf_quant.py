@@ -159,8 +159,8 @@ def test_default_model_kept_quantized_agrees_with_dequantized(caplog):
     model = quant.llm_engine.executor.runner.model
     layers = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None),
                                                         GGUFLinearMethod)]
-    # ember's native 4-bit kernel where the CPU has AVX512-BF16, else torch's int4 matmul
-    kind = "q4_native" if gguf_method._native_q4() else "int4_cpu"
+    # ember's native kernel where the CPU has AVX512-BF16, else torch's int4 matmul
+    kind = "native" if gguf_method._native_kernel() else "int4_cpu"
     assert len(layers) == 120 and all(p.kind == kind for m in layers for p in m.gguf_parts)
     forced = quant.generate(
         [{"prompt_token_ids": list(p) + list(w)} for p, w in zip(prompts, want)],

@@ -6,20 +6,24 @@ Loading: the GGUF loader yields each quantized linear weight as its raw blocks
 the fused projection (q/k/v, gate/up), whose types may differ. After loading, consecutive shards
 of one kind are joined and each part gets its compute form:
 
-- 4-bit codes (Q4_0, Q4_1, Q4_K) on the CPU: ember's native kernel
-  (ember.kernels.cpu.q4_linear, AVX512-BF16, built on first use: it reuses each weight across a
-  batch's rows, 1.6-2.1x torch's int4 matmul at 32-128 rows); where it cannot run, torch's int4
-  weight-only matmul (``_weight_int4pack_mm_for_cpu``, group 32, bfloat16 activations: it has
-  no fast float32 path), with ``scale_and_zero`` = (scale, min + 8 * scale) so that
-  (q - 8) * s + z = s * q + min. Both give each row the same result whatever the batch.
+- on a CPU with AVX512-BF16, every type with groups of 32 (Q4_0, Q4_1, Q4_K in 4 bits; Q5_0,
+  Q5_1, Q8_0, Q5_K in 8): ember's native kernel (ember.kernels.cpu.quant_linear, built on first
+  use), which reuses each weight across a batch's rows (1.6-2.1x torch's int4 matmul at 32-128
+  rows, even at one).
+- elsewhere, 4-bit codes on the CPU: torch's int4 weight-only matmul
+  (``_weight_int4pack_mm_for_cpu``, group 32, bfloat16 activations: it has no fast float32
+  path), with ``scale_and_zero`` = (scale, min + 8 * scale) so that (q - 8) * s + z = s * q + min.
+  Both give each row the same result whatever the batch.
 - every supported type on CUDA (and on the CPU in its tests, interpreted): the Triton
   dequantize-matmul ember.kernels.gguf_matmul on the affine codes.
-- other types on the CPU (Q5_0, Q5_1, Q8_0, Q5_K, Q6_K): the codes are dequantized per call
+- other types on the CPU (Q6_K; without the native kernel Q5_0, Q5_1, Q8_0, Q5_K too): the
+  codes are dequantized per call
   into the activation dtype and multiplied by F.linear (memory stays quantized, time does not
   improve on a float layer).
 - F32/F16/BF16 tensors (some GGUFs keep a few layers in float): a float weight.
 
-The embedding, norms and logits head are loaded in float (dequantized) as before.
+The embedding, norms and logits head are loaded in float (dequantized); on the CPU the head
+computes in 8 bits (``process_model_after_loading``).
 """
 
 from __future__ import annotations
@@ -59,8 +63,9 @@ class GGUFQuantization(QuantizationMethod):
         return GGUFLinearMethod()
 
     def process_model_after_loading(self, model: nn.Module) -> None:
-        """On the CPU, the logits head (the tied embedding, or lm_head) gets an int8 copy with
-        one scale per row for ``compute_logits``: at 135M parameters its float32 matmul is the
+        """On the CPU, the logits head (the tied embedding, or lm_head) gets an 8-bit copy for
+        ``compute_logits``: Q8_0's codes (a scale per 32 inputs) for ember's native kernel, else
+        int8 with one scale per row for torch's: at 135M parameters its float32 matmul is the
         largest of a decode step (49152 x 576). The embedding keeps its float rows for lookup."""
         tied = bool(getattr(model, "tie_word_embeddings", False))
         suffix = "embed_tokens" if tied else "lm_head"
@@ -68,7 +73,8 @@ class GGUFQuantization(QuantizationMethod):
             weight = getattr(head, "weight", None)
             if (name.endswith(suffix) and isinstance(weight, torch.Tensor) and weight.dim() == 2
                     and weight.device.type == "cpu"):
-                head.logits_method = Int8Logits(weight.detach())
+                native = NativeLogits.build(weight.detach()) if _native_kernel() else None
+                head.logits_method = native or Int8Logits(weight.detach())
                 return
 
     def loading_context(self):  # type: ignore[no-untyped-def]
@@ -80,7 +86,7 @@ class GGUFQuantization(QuantizationMethod):
         """On the CPU, where decoding the blocks and packing the int4 layers is most of a small
         model's load: each layer's parts (rows, kind, meta, buffer names) and the int8 head."""
         layers: dict[str, list[list[Any]]] = {}
-        logits = None
+        logits = logits_kind = None
         for name, module in model.named_modules():
             parts = getattr(module, "gguf_parts", None)
             if parts is not None:
@@ -88,19 +94,20 @@ class GGUFQuantization(QuantizationMethod):
                     return None  # the GPU's form: quick to build, and device memory
                 layers[name] = [[p.rows, p.kind, p.meta, [n for n, _ in p.named_buffers()]]
                                 for p in parts]
-            if isinstance(getattr(module, "logits_method", None), Int8Logits):
-                logits = name
-        return {"layers": layers, "logits": logits}
+            if isinstance(getattr(module, "logits_method", None), (Int8Logits, NativeLogits)):
+                logits, logits_kind = name, module.logits_method.kind
+        return {"layers": layers, "logits": logits, "logits_kind": logits_kind}
 
     def restore_snapshot(self, model: nn.Module, recipe: dict[str, Any],
                          tensors: dict[str, torch.Tensor]) -> None:
         if _use_triton(next(model.parameters()).device):
             raise ValueError("this load takes the Triton kernels: the snapshot's CPU forms "
                              "do not apply")
-        if any(kind == "q4_native" for parts in recipe["layers"].values()
-               for _, kind, _, _ in parts) and not _native_q4():
-            raise ValueError("the snapshot's layers need the native 4-bit CPU kernel, which "
-                             "cannot be built here")
+        if (recipe["logits_kind"] == "native" or any(
+                kind == "native" for parts in recipe["layers"].values() for _, kind, _, _ in parts)
+                ) and not _native_kernel():
+            raise ValueError("the snapshot needs the native quantized CPU kernel, which cannot "
+                             "be built here")
         modules = dict(model.named_modules())
         for name, parts in recipe["layers"].items():
             layer = modules[name]
@@ -111,8 +118,11 @@ class GGUFQuantization(QuantizationMethod):
             layer._gguf_shards = {}
         if recipe["logits"] is not None:
             prefix = f"{recipe['logits']}.logits_method."
-            modules[recipe["logits"]].logits_method = Int8Logits.from_quantized(
-                tensors[prefix + "qweight"], tensors[prefix + "scale"])
+            head = (NativeLogits.from_blocks(tensors[prefix + "blocks"])
+                    if recipe["logits_kind"] == "native"
+                    else Int8Logits.from_quantized(tensors[prefix + "qweight"],
+                                                   tensors[prefix + "scale"]))
+            modules[recipe["logits"]].logits_method = head
 
 
 # The kernel on the CPU under TRITON_INTERPRET=1 is for its own tests, which set this too: the
@@ -126,9 +136,37 @@ def _use_triton(device: torch.device) -> bool:
                                      and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+class NativeLogits(nn.Module):
+    """hidden @ W^T from W in 8-bit codes with a float16 scale per 32 inputs (Q8_0's rounding:
+    a Q8_0 embedding keeps its own codes), on ember's native kernel, in float32."""
+
+    kind = "native"
+
+    @classmethod
+    def build(cls, weight: torch.Tensor) -> NativeLogits | None:
+        from ember.kernels.cpu.quant_linear import pack_symmetric_8bit
+
+        blocks = pack_symmetric_8bit(weight)
+        return None if blocks is None else cls.from_blocks(blocks, weight.shape[0])
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, rows: int | None = None) -> NativeLogits:
+        head = cls()
+        head.register_buffer("blocks", blocks)
+        head.register_buffer("rows", torch.tensor(rows if rows is not None else -1))
+        return head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from ember.kernels.cpu.quant_linear import quant_linear
+
+        return quant_linear(hidden, self.blocks, int(self.rows), bits=8)
+
+
 class Int8Logits(nn.Module):
     """hidden @ W^T from W rounded to int8 with one float scale per row (torch's int8
     weight-only matmul, bfloat16 activations), returned in float32."""
+
+    kind = "int8"
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -167,10 +205,10 @@ class _Part(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "float":
             return F.linear(x, self.weight.to(x.dtype))
-        if self.kind == "q4_native":
-            from ember.kernels.cpu.q4_linear import q4_linear
+        if self.kind == "native":
+            from ember.kernels.cpu.quant_linear import quant_linear
 
-            return q4_linear(x, self.blocks, self.rows).to(x.dtype)
+            return quant_linear(x, self.blocks, self.rows, self.meta["bits"]).to(x.dtype)
         if self.kind == "int4_cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(_INT4_CPU_DTYPE), self.packed, 32, self.scale_zero)
@@ -215,13 +253,16 @@ def _part_for(weights: list[tuple[Any, torch.Tensor, tuple[int, int]]],
         if mn is not None:
             tensors["min"] = mn.to(device)
         return _Part(rows, "triton", tensors, meta)
-    if first.bits == 4 and first.group == 32 and _native_q4():
-        from ember.kernels.cpu.q4_linear import pack
+    if first.group == 32 and _native_kernel():
+        from ember.kernels.cpu.quant_linear import pack
 
-        offset = (mn if mn is not None else torch.zeros_like(scale)) - first.offset * scale
-        blocks = pack(codes, scale, offset)
+        offset = mn if mn is not None else torch.zeros_like(scale)
+        if first.bits == 4:  # codes 0..15, the offset folded into the min
+            bits, blocks = 4, pack(codes, scale, offset - first.offset * scale, bits=4)
+        else:  # codes less their offset fit int8 (5- and 8-bit types)
+            bits, blocks = 8, pack(codes.to(torch.int16) - first.offset, scale, offset, bits=8)
         if blocks is not None:
-            return _Part(rows, "q4_native", {"blocks": blocks}, meta)
+            return _Part(rows, "native", {"blocks": blocks}, {**meta, "bits": bits})
     if first.bits == 4 and first.group == 32:
         zero = (mn if mn is not None else torch.zeros_like(scale)) + (8 - first.offset) * scale
         # int4pack wants codes - 8 in [-8, 7] meaning (q - 8): ours are q in [0, 15].
@@ -235,12 +276,12 @@ def _part_for(weights: list[tuple[Any, torch.Tensor, tuple[int, int]]],
     return _Part(rows, "dequant", tensors, meta)
 
 
-def _native_q4() -> bool:
-    """Whether ember's native 4-bit CPU kernel runs here on AVX512-BF16 (its plain-C build,
+def _native_kernel() -> bool:
+    """Whether ember's native quantized CPU kernel runs here on AVX512-BF16 (its plain-C build,
     for CPUs without, is slower than torch's int4 matmul)."""
-    from ember.kernels.cpu import q4_linear
+    from ember.kernels.cpu import quant_linear
 
-    return q4_linear.native_bf16()
+    return quant_linear.native_bf16()
 
 
 def _float(t: torch.Tensor, qtype: Any, shape: tuple[int, int]) -> torch.Tensor:

@@ -1,18 +1,22 @@
-/* 4-bit linear layers on the CPU: y[M, N] = x[M, K] (bfloat16) @ W^T, W in 4-bit codes with one
- * scale d and one offset m per 32 inputs (w = d * q + m), y in float32.
+/* Quantized linear layers on the CPU: y[M, N] = x[M, K] @ W^T, x float32 (multiplied in
+ * bfloat16, rounded to nearest even as torch rounds), W in 4- or 8-bit integer codes c with one
+ * scale d and one offset m per 32 inputs (w = d * c + m), y float32.
  *
- * Layout (made by ember.kernels.cpu.q4_linear.pack): 16 outputs a tile; per tile and group of
- * 32 inputs one 320-byte block: d[16] and m[16] as float16, then 8 quads of 32 bytes, quad q
- * holding inputs 4q..4q+3 of the group: byte j (output j / 2, input 4q + j % 2) has that code in
- * its low nibble and the code of input 4q + 2 + j % 2 in its high nibble. So a quad widens to
- * two registers of 32 bfloat16 codes in the order AVX512-BF16's dot takes them: for each of 16
- * outputs a pair of adjacent inputs.
+ * Layout (made by ember.kernels.cpu.quant_linear.pack): 16 outputs a tile; per tile and group of
+ * 32 inputs one block: d[16] and m[16] as float16 (64 bytes), then the codes, ordered so that
+ * they widen to registers of 32 bfloat16 values in the order AVX512-BF16's dot takes them: for
+ * each of the 16 outputs a pair of adjacent inputs.
+ * - 4 bits (codes 0..15, 320-byte blocks): 8 quads of 32 bytes, quad q holding inputs 4q..4q+3:
+ *   byte j (output j / 2, input 4q + j % 2) has that code in its low nibble and the code of input
+ *   4q + 2 + j % 2 in its high nibble.
+ * - 8 bits (codes -128..127, 576-byte blocks): 16 pairs of 32 bytes, byte j of pair p the code of
+ *   output j / 2, input 2p + j % 2.
  *
- * Per tile the codes are widened once into a buffer (exact small integers in bfloat16, by table
- * lookup), then every row of x, 8 rows at a time, takes each group's dot with them, summed from
- * zero in float32, and folds it into its 16 outputs as y = fma(dot, d, y), then
- * y = fma(m, sum of the group's x, y). A row's arithmetic is the same
- * whatever the number of rows, so its result does not depend on the batch it came in.
+ * Per tile the codes are widened once into a buffer (exact small integers in bfloat16), then
+ * every row of x, 8 rows at a time, takes each group's dot with them, summed from zero in
+ * float32, and folds it into its 16 outputs as y = fma(dot, d, y), then y = fma(m, sum of the
+ * group's x, y). A row's arithmetic is the same whatever the number of rows, so its result does
+ * not depend on the batch it came in.
  *
  * Without AVX512-BF16 the same arithmetic runs in plain C (the dot's two products are exact in
  * float32 and added odd then even, as VDPBF16PS does): bit for bit the same results but for
@@ -29,10 +33,10 @@
 #define TILE 16
 #define GROUP 32
 #define PAIRS (GROUP / 2)
-#define BLOCK_BYTES 320
+#define HEADER_BYTES 64
 #define ROWS 8
 
-int ember_q4_native(void) {
+int ember_quant_native(void) {
 #ifdef __AVX512BF16__
     return 1;
 #else
@@ -75,14 +79,27 @@ static const uint16_t CODE_BF16[16] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0
                                        0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150,
                                        0x4160, 0x4170};
 
-/* Each row's sum of x over each group (float32, in input order): [rows, groups]. */
-static void group_sums(const uint16_t *x, int64_t x_stride, int rows, int groups, float *sums) {
-    for (int i = 0; i < rows; i++)
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);  /* quiet NaN */
+    u += 0x7FFFu + ((u >> 16) & 1u);  /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* x rounded to bfloat16 into xb [rows, k] (contiguous), and each row's sum of it over each
+ * group (float32, in input order) into sums [rows, groups]. */
+static void round_and_sum(const float *x, int64_t x_stride, int rows, int k, uint16_t *xb,
+                          float *sums) {
+    int groups = k / GROUP;
+    for (int i = 0; i < rows; i++) {
+        for (int j = 0; j < k; j++) xb[(int64_t)i * k + j] = to_bf16(x[i * x_stride + j]);
         for (int g = 0; g < groups; g++) {
             float s = 0.0f;
-            for (int j = 0; j < GROUP; j++) s += from_bf16(x[i * x_stride + g * GROUP + j]);
+            for (int j = 0; j < GROUP; j++) s += from_bf16(xb[(int64_t)i * k + g * GROUP + j]);
             sums[i * groups + g] = s;
         }
+    }
 }
 
 #ifdef __AVX512BF16__
@@ -100,10 +117,20 @@ static void widen_group(const uint8_t *codes, uint16_t *buf) {
     }
 }
 
+static void widen_group8(const uint8_t *codes, uint16_t *buf) {
+    for (int p = 0; p < PAIRS; p++) {
+        __m512 lo = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 32 * p))));
+        __m512 hi = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 32 * p + 16))));
+        _mm512_store_si512((__m512i *)(buf + p * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
 /* R rows (a constant where inlined) times one widened tile, group by group. */
-static inline void tile_rows(const uint16_t *buf, const uint8_t *blocks, int groups,
-                             const uint32_t *x, int64_t x_stride, const float *sums, float *y,
-                             int64_t y_stride, int R, int width) {
+static inline void tile_rows(const uint16_t *buf, const uint8_t *blocks, int block_bytes,
+                             int groups, const uint32_t *x, int64_t x_stride, const float *sums,
+                             float *y, int64_t y_stride, int R, int width) {
     __m512 acc[ROWS], dot[ROWS];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
@@ -116,7 +143,7 @@ static inline void tile_rows(const uint16_t *buf, const uint8_t *blocks, int gro
                 dot[i] = _mm512_dpbf16_ps(dot[i], w,
                                           (__m512bh)_mm512_set1_epi32((int)gx[i * x_stride + p]));
         }
-        const uint8_t *block = blocks + (size_t)g * BLOCK_BYTES;
+        const uint8_t *block = blocks + (size_t)g * block_bytes;
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block));
         __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 32)));
         for (int i = 0; i < R; i++) {
@@ -130,6 +157,10 @@ static inline void tile_rows(const uint16_t *buf, const uint8_t *blocks, int gro
 
 #else  /* plain C: the same layout and arithmetic */
 
+static void widen_group8(const uint8_t *codes, uint16_t *buf) {
+    for (int j = 0; j < PAIRS * 32; j++) buf[j] = to_bf16((float)(int8_t)codes[j]);
+}
+
 static void widen_group(const uint8_t *codes, uint16_t *buf) {
     for (int q = 0; q < 8; q++)
         for (int j = 0; j < 32; j++) {
@@ -138,13 +169,13 @@ static void widen_group(const uint8_t *codes, uint16_t *buf) {
         }
 }
 
-static inline void tile_rows(const uint16_t *buf, const uint8_t *blocks, int groups,
-                             const uint32_t *x, int64_t x_stride, const float *sums, float *y,
-                             int64_t y_stride, int R, int width) {
+static inline void tile_rows(const uint16_t *buf, const uint8_t *blocks, int block_bytes,
+                             int groups, const uint32_t *x, int64_t x_stride, const float *sums,
+                             float *y, int64_t y_stride, int R, int width) {
     for (int i = 0; i < R; i++) {
         float acc[TILE] = {0};
         for (int g = 0; g < groups; g++) {
-            const uint8_t *block = blocks + (size_t)g * BLOCK_BYTES;
+            const uint8_t *block = blocks + (size_t)g * block_bytes;
             const uint16_t *gbuf = buf + (size_t)g * PAIRS * 32;
             float dot[TILE] = {0};
             for (int p = 0; p < PAIRS; p++) {
@@ -170,15 +201,15 @@ static inline void tile_rows(const uint16_t *buf, const uint8_t *blocks, int gro
 
 #endif
 
-static void tile_all_rows(const uint16_t *buf, const uint8_t *blocks, int groups,
-                          const uint32_t *x, int64_t x_stride, const float *sums, float *y,
-                          int64_t y_stride, int rows, int width) {
+static void tile_all_rows(const uint16_t *buf, const uint8_t *blocks, int block_bytes,
+                          int groups, const uint32_t *x, int64_t x_stride, const float *sums,
+                          float *y, int64_t y_stride, int rows, int width) {
     int i = 0;
     for (; i + ROWS <= rows; i += ROWS)
-        tile_rows(buf, blocks, groups, x + i * x_stride, x_stride, sums + i * groups,
+        tile_rows(buf, blocks, block_bytes, groups, x + i * x_stride, x_stride, sums + i * groups,
                   y + i * y_stride, y_stride, ROWS, width);
     switch (rows - i) {  /* constant row counts, so each call's loops unroll */
-#define TAIL(r) case r: tile_rows(buf, blocks, groups, x + i * x_stride, x_stride, \
+#define TAIL(r) case r: tile_rows(buf, blocks, block_bytes, groups, x + i * x_stride, x_stride, \
                                   sums + i * groups, y + i * y_stride, y_stride, r, width); break;
         TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7)
 #undef TAIL
@@ -186,32 +217,43 @@ static void tile_all_rows(const uint16_t *buf, const uint8_t *blocks, int groups
     }
 }
 
-/* x: [rows, k] bf16 with row stride x_stride (elements, even); y: [rows, n] float32, row stride
- * y_stride; blocks: [ceil(n / 16), k / 32, 320] bytes. Returns 0, or -1 when out of memory. */
-int ember_q4_linear(const uint16_t *x, int64_t x_stride, const uint8_t *blocks, float *y,
-                    int64_t y_stride, int rows, int n, int k, int threads) {
+/* x: [rows, k] float32 with row stride x_stride; y: [rows, n] float32 with row stride
+ * y_stride; blocks: [ceil(n / 16), k / 32, block] bytes, bits 4 or 8. Returns 0, -1 when out of
+ * memory, -2 for other bits. */
+int ember_quant_linear(const float *x, int64_t x_stride, const uint8_t *blocks, int bits,
+                       float *y, int64_t y_stride, int rows, int n, int k, int threads) {
+    if (bits != 4 && bits != 8) return -2;
     int tiles = (n + TILE - 1) / TILE, groups = k / GROUP;
+    int block_bytes = HEADER_BYTES + TILE * GROUP * bits / 8;
     size_t buf_stride = ((size_t)k * TILE * 2 + 63) / 64 * 64;
     if (threads < 1) threads = 1;
-    float *sums = malloc(sizeof(float) * (size_t)rows * (size_t)groups);
+    float *sums = malloc(sizeof(float) * (size_t)rows * (size_t)groups + 1);
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)rows * (size_t)k + 1);
     uint8_t *bufs = aligned_alloc(64, buf_stride * (size_t)threads);
-    if (!sums || !bufs) {
+    if (!sums || !xb || !bufs) {
         free(sums);
+        free(xb);
         free(bufs);
         return -1;
     }
-    group_sums(x, x_stride, rows, groups, sums);
+    round_and_sum(x, x_stride, rows, k, xb, sums);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles > 1)
     for (int t = 0; t < tiles; t++) {
         uint16_t *buf = (uint16_t *)(bufs + buf_stride * (size_t)omp_get_thread_num());
-        const uint8_t *tile = blocks + (size_t)t * groups * BLOCK_BYTES;
+        const uint8_t *tile = blocks + (size_t)t * groups * block_bytes;
         int width = n - t * TILE < TILE ? n - t * TILE : TILE;
-        for (int g = 0; g < groups; g++)
-            widen_group(tile + (size_t)g * BLOCK_BYTES + 64, buf + (size_t)g * PAIRS * 32);
-        tile_all_rows(buf, tile, groups, (const uint32_t *)x, x_stride / 2, sums, y + t * TILE,
-                      y_stride, rows, width);
+        for (int g = 0; g < groups; g++) {
+            const uint8_t *codes = tile + (size_t)g * block_bytes + HEADER_BYTES;
+            if (bits == 4)
+                widen_group(codes, buf + (size_t)g * PAIRS * 32);
+            else
+                widen_group8(codes, buf + (size_t)g * PAIRS * 32);
+        }
+        tile_all_rows(buf, tile, block_bytes, groups, (const uint32_t *)xb, k / 2, sums,
+                      y + t * TILE, y_stride, rows, width);
     }
     free(sums);
+    free(xb);
     free(bufs);
     return 0;
 }
