@@ -127,14 +127,25 @@ static void widen_group8(const uint8_t *codes, uint16_t *buf) {
     }
 }
 
-/* R rows (a constant where inlined) times one widened tile, group by group. */
+/* A block's codes (4 bits when the block is 320 bytes, else 8) widened into out. */
+static inline void widen(const uint8_t *block, int block_bytes, uint16_t *out) {
+    if (block_bytes == HEADER_BYTES + TILE * GROUP / 2)
+        widen_group(block + HEADER_BYTES, out);
+    else
+        widen_group8(block + HEADER_BYTES, out);
+}
+
+/* R rows (a constant where inlined) times one tile, group by group: from the widened tile in
+ * buf, or (buf NULL: a single pass of rows) each group widened here as it comes. */
 static inline void tile_rows(const uint16_t *buf, const uint8_t *blocks, int block_bytes,
                              int groups, const uint32_t *x, int64_t x_stride, const float *sums,
                              float *y, int64_t y_stride, int R, int width) {
     __m512 acc[ROWS], dot[ROWS];
+    uint16_t local[PAIRS * 32] __attribute__((aligned(64)));
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
-        const uint16_t *gbuf = buf + (size_t)g * PAIRS * 32;
+        const uint16_t *gbuf = buf ? buf + (size_t)g * PAIRS * 32 : local;
+        if (!buf) widen(blocks + (size_t)g * block_bytes, block_bytes, local);
         const uint32_t *gx = x + g * PAIRS;
         for (int i = 0; i < R; i++) dot[i] = _mm512_setzero_ps();
         for (int p = 0; p < PAIRS; p++) {
@@ -169,14 +180,24 @@ static void widen_group(const uint8_t *codes, uint16_t *buf) {
         }
 }
 
+/* A block's codes (4 bits when the block is 320 bytes, else 8) widened into out. */
+static inline void widen(const uint8_t *block, int block_bytes, uint16_t *out) {
+    if (block_bytes == HEADER_BYTES + TILE * GROUP / 2)
+        widen_group(block + HEADER_BYTES, out);
+    else
+        widen_group8(block + HEADER_BYTES, out);
+}
+
 static inline void tile_rows(const uint16_t *buf, const uint8_t *blocks, int block_bytes,
                              int groups, const uint32_t *x, int64_t x_stride, const float *sums,
                              float *y, int64_t y_stride, int R, int width) {
+    uint16_t local[PAIRS * 32];
     for (int i = 0; i < R; i++) {
         float acc[TILE] = {0};
         for (int g = 0; g < groups; g++) {
             const uint8_t *block = blocks + (size_t)g * block_bytes;
-            const uint16_t *gbuf = buf + (size_t)g * PAIRS * 32;
+            const uint16_t *gbuf = buf ? buf + (size_t)g * PAIRS * 32 : local;
+            if (!buf) widen(block, block_bytes, local);
             float dot[TILE] = {0};
             for (int p = 0; p < PAIRS; p++) {
                 uint32_t xp = x[i * x_stride + g * PAIRS + p];
@@ -242,14 +263,13 @@ int ember_quant_linear(const float *x, int64_t x_stride, const uint8_t *blocks, 
         uint16_t *buf = (uint16_t *)(bufs + buf_stride * (size_t)omp_get_thread_num());
         const uint8_t *tile = blocks + (size_t)t * groups * block_bytes;
         int width = n - t * TILE < TILE ? n - t * TILE : TILE;
-        for (int g = 0; g < groups; g++) {
-            const uint8_t *codes = tile + (size_t)g * block_bytes + HEADER_BYTES;
-            if (bits == 4)
-                widen_group(codes, buf + (size_t)g * PAIRS * 32);
-            else
-                widen_group8(codes, buf + (size_t)g * PAIRS * 32);
-        }
-        tile_all_rows(buf, tile, block_bytes, groups, (const uint32_t *)xb, k / 2, sums,
+        /* One pass of rows widens each group as it goes (the codes stay in L1); more passes
+         * widen the tile once into buf and reuse it. The same arithmetic either way. */
+        int passes = (rows + ROWS - 1) / ROWS;
+        if (passes > 1)
+            for (int g = 0; g < groups; g++)
+                widen(tile + (size_t)g * block_bytes, block_bytes, buf + (size_t)g * PAIRS * 32);
+        tile_all_rows(passes > 1 ? buf : NULL, tile, block_bytes, groups, (const uint32_t *)xb, k / 2, sums,
                       y + t * TILE, y_stride, rows, width);
     }
     free(sums);
