@@ -102,3 +102,19 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")
     with pytest.raises(RuntimeError, match="false failed"):
         Q.build(extra_flags=("-DEMBER_TEST_UNIQUE_KEY",))
+
+
+def test_traced_code_calls_one_op():
+    """Under torch.compile a native layer and head are one custom op each (fullgraph: a ctypes
+    call would break the graph), computing what the eager call does."""
+    from ember.quantization import gguf as gguf_method
+
+    blocks, w = _case(48, 64)
+    part = gguf_method._Part(48, "native", {"blocks": blocks}, {"bits": 4})
+    head = gguf_method.NativeLogits.build(w)
+    x = torch.randn(3, 64)
+    for module in (part, head):
+        module.prepare_for_compile()  # as the model runner's compile_model does
+    for fn in (part.forward, head.forward):
+        traced = torch.compile(fn, fullgraph=True, backend="eager")
+        assert torch.equal(traced(x), fn(x))

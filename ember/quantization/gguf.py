@@ -86,7 +86,7 @@ class GGUFQuantization(QuantizationMethod):
         """On the CPU, where decoding the blocks and packing the int4 layers is most of a small
         model's load: each layer's parts (rows, kind, meta, buffer names) and the int8 head."""
         layers: dict[str, list[list[Any]]] = {}
-        logits = logits_kind = None
+        logits = logits_kind = logits_rows = None
         for name, module in model.named_modules():
             parts = getattr(module, "gguf_parts", None)
             if parts is not None:
@@ -94,9 +94,12 @@ class GGUFQuantization(QuantizationMethod):
                     return None  # the GPU's form: quick to build, and device memory
                 layers[name] = [[p.rows, p.kind, p.meta, [n for n, _ in p.named_buffers()]]
                                 for p in parts]
-            if isinstance(getattr(module, "logits_method", None), (Int8Logits, NativeLogits)):
-                logits, logits_kind = name, module.logits_method.kind
-        return {"layers": layers, "logits": logits, "logits_kind": logits_kind}
+            head = getattr(module, "logits_method", None)
+            if isinstance(head, (Int8Logits, NativeLogits)):
+                logits, logits_kind = name, head.kind
+                logits_rows = getattr(head, "vocab", None)
+        return {"layers": layers, "logits": logits, "logits_kind": logits_kind,
+                "logits_rows": logits_rows}
 
     def restore_snapshot(self, model: nn.Module, recipe: dict[str, Any],
                          tensors: dict[str, torch.Tensor]) -> None:
@@ -118,7 +121,7 @@ class GGUFQuantization(QuantizationMethod):
             layer._gguf_shards = {}
         if recipe["logits"] is not None:
             prefix = f"{recipe['logits']}.logits_method."
-            head = (NativeLogits.from_blocks(tensors[prefix + "blocks"])
+            head = (NativeLogits.from_blocks(tensors[prefix + "blocks"], recipe["logits_rows"])
                     if recipe["logits_kind"] == "native"
                     else Int8Logits.from_quantized(tensors[prefix + "qweight"],
                                                    tensors[prefix + "scale"]))
@@ -141,6 +144,7 @@ class NativeLogits(nn.Module):
     a Q8_0 embedding keeps its own codes), on ember's native kernel, in float32."""
 
     kind = "native"
+    vocab: int  # the head's rows
 
     @classmethod
     def build(cls, weight: torch.Tensor) -> NativeLogits | None:
@@ -150,16 +154,23 @@ class NativeLogits(nn.Module):
         return None if blocks is None else cls.from_blocks(blocks, weight.shape[0])
 
     @classmethod
-    def from_blocks(cls, blocks: torch.Tensor, rows: int | None = None) -> NativeLogits:
+    def from_blocks(cls, blocks: torch.Tensor, rows: int) -> NativeLogits:
         head = cls()
         head.register_buffer("blocks", blocks)
-        head.register_buffer("rows", torch.tensor(rows if rows is not None else -1))
+        head.vocab = rows  # a plain int: traced code reads it as a constant
         return head
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from ember.kernels.cpu.quant_linear import quant_linear
+    def prepare_for_compile(self) -> None:
+        from ember.kernels.cpu.quant_linear import quant_linear_op
 
-        return quant_linear(hidden, self.blocks, int(self.rows), bits=8)
+        quant_linear_op()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from ember.kernels.cpu import quant_linear as native
+
+        if torch.compiler.is_compiling():
+            return torch.ops.ember.quant_linear(hidden, self.blocks, self.vocab, 8)
+        return native.quant_linear(hidden, self.blocks, self.vocab, bits=8)
 
 
 class Int8Logits(nn.Module):
@@ -206,9 +217,12 @@ class _Part(nn.Module):
         if self.kind == "float":
             return F.linear(x, self.weight.to(x.dtype))
         if self.kind == "native":
-            from ember.kernels.cpu.quant_linear import quant_linear
+            from ember.kernels.cpu import quant_linear as native
 
-            return quant_linear(x, self.blocks, self.rows, self.meta["bits"]).to(x.dtype)
+            if torch.compiler.is_compiling():  # one opaque op (prepare_for_compile made it)
+                return torch.ops.ember.quant_linear(x, self.blocks, self.rows,
+                                                    self.meta["bits"]).to(x.dtype)
+            return native.quant_linear(x, self.blocks, self.rows, self.meta["bits"]).to(x.dtype)
         if self.kind == "int4_cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(_INT4_CPU_DTYPE), self.packed, 32, self.scale_zero)
@@ -219,6 +233,12 @@ class _Part(nn.Module):
                                     n=self.rows, **self.meta)
         # "dequant": per call, into the activation dtype
         return F.linear(x, self.affine().dequantize().to(x.dtype))
+
+    def prepare_for_compile(self) -> None:
+        if self.kind == "native":
+            from ember.kernels.cpu.quant_linear import quant_linear_op
+
+            quant_linear_op()
 
     def affine(self) -> AffineCodes:
         m = self.meta

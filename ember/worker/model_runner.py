@@ -124,6 +124,11 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.inv_freq_on(self.device)
+            # A module that calls a custom op when traced registers it now (registering
+            # inside the trace would break the graph).
+            prepare = getattr(module, "prepare_for_compile", None)
+            if callable(prepare):
+                prepare()
         self.model = torch.compile(self.model, dynamic=True)
         self.compiled = True
 

@@ -10,7 +10,10 @@ same order whatever the batch, so a token's result does not depend on what it wa
 Built on first use with the machine's C compiler (``CC``, else ``cc``; -O3 -march=native
 -fopenmp) into ``EMBER_CACHE_DIR`` (a temporary directory when the cache is off), keyed by the
 source, the flags and the CPU's feature flags; ``available()`` is False where it cannot be
-built, and callers keep torch's int4 matmul.
+built, and callers keep torch's int4 matmul. Under ``torch.compile`` (``compile_model=True``)
+the call is the custom op ``ember::quant_linear`` (``quant_linear_op``), which dynamo keeps as
+one opaque call instead of breaking the graph at a ctypes call; eager calls skip the op's
+dispatch.
 """
 
 from __future__ import annotations
@@ -170,3 +173,19 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, n: int, bits: int = 4,
         if status:
             raise MemoryError("quant_linear: out of memory for its buffers")
     return y.view(*x.shape[:-1], n)
+
+
+@functools.cache
+def quant_linear_op():  # type: ignore[no-untyped-def]
+    """``ember::quant_linear(x, blocks, n, bits)``: ``quant_linear`` as a torch custom op, for
+    traced code (registered on first use: registering costs tens of milliseconds)."""
+
+    @torch.library.custom_op("ember::quant_linear", mutates_args=())
+    def op(x: torch.Tensor, blocks: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+        return quant_linear(x, blocks, n, bits)
+
+    @op.register_fake
+    def _(x: torch.Tensor, blocks: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], n, dtype=torch.float32)
+
+    return op
