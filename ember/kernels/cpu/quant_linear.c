@@ -127,6 +127,22 @@ static void widen_group8(const uint8_t *codes, uint16_t *buf) {
     }
 }
 
+#else  /* plain C: the same layout and arithmetic */
+
+static void widen_group8(const uint8_t *codes, uint16_t *buf) {
+    for (int j = 0; j < PAIRS * 32; j++) buf[j] = to_bf16((float)(int8_t)codes[j]);
+}
+
+static void widen_group(const uint8_t *codes, uint16_t *buf) {
+    for (int q = 0; q < 8; q++)
+        for (int j = 0; j < 32; j++) {
+            buf[(2 * q) * 32 + j] = CODE_BF16[codes[32 * q + j] & 0x0F];
+            buf[(2 * q + 1) * 32 + j] = CODE_BF16[codes[32 * q + j] >> 4];
+        }
+}
+
+#endif
+
 /* A block's codes (4 bits when the block is 320 bytes, else 8) widened into out. */
 static inline void widen(const uint8_t *block, int block_bytes, uint16_t *out) {
     if (block_bytes == HEADER_BYTES + TILE * GROUP / 2)
@@ -134,6 +150,8 @@ static inline void widen(const uint8_t *block, int block_bytes, uint16_t *out) {
     else
         widen_group8(block + HEADER_BYTES, out);
 }
+
+#ifdef __AVX512BF16__
 
 /* R rows (a constant where inlined) times one tile, group by group: from the widened tile in
  * buf, or (buf NULL: a single pass of rows) each group widened here as it comes. */
@@ -166,27 +184,7 @@ static inline void tile_rows(const uint16_t *buf, const uint8_t *blocks, int blo
     for (int i = 0; i < R; i++) _mm512_mask_storeu_ps(y + i * y_stride, mask, acc[i]);
 }
 
-#else  /* plain C: the same layout and arithmetic */
-
-static void widen_group8(const uint8_t *codes, uint16_t *buf) {
-    for (int j = 0; j < PAIRS * 32; j++) buf[j] = to_bf16((float)(int8_t)codes[j]);
-}
-
-static void widen_group(const uint8_t *codes, uint16_t *buf) {
-    for (int q = 0; q < 8; q++)
-        for (int j = 0; j < 32; j++) {
-            buf[(2 * q) * 32 + j] = CODE_BF16[codes[32 * q + j] & 0x0F];
-            buf[(2 * q + 1) * 32 + j] = CODE_BF16[codes[32 * q + j] >> 4];
-        }
-}
-
-/* A block's codes (4 bits when the block is 320 bytes, else 8) widened into out. */
-static inline void widen(const uint8_t *block, int block_bytes, uint16_t *out) {
-    if (block_bytes == HEADER_BYTES + TILE * GROUP / 2)
-        widen_group(block + HEADER_BYTES, out);
-    else
-        widen_group8(block + HEADER_BYTES, out);
-}
+#else
 
 static inline void tile_rows(const uint16_t *buf, const uint8_t *blocks, int block_bytes,
                              int groups, const uint32_t *x, int64_t x_stride, const float *sums,
