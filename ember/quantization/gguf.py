@@ -8,8 +8,8 @@ of one kind are joined and each part gets its compute form:
 
 - on a CPU with AVX512-BF16, every type with groups of 32 (Q4_0, Q4_1, Q4_K in 4 bits; Q5_0,
   Q5_1, Q8_0, Q5_K in 8): ember's native kernel (ember.kernels.cpu.quant_linear, built on first
-  use), which reuses each weight across a batch's rows (1.6-2.1x torch's int4 matmul at 32-128
-  rows, even at one).
+  use), which reuses each weight across a batch's rows (1.6-2.0x torch's int4 matmul at 32-128
+  rows, and faster at one row too).
 - elsewhere, 4-bit codes on the CPU: torch's int4 weight-only matmul
   (``_weight_int4pack_mm_for_cpu``, group 32, bfloat16 activations: it has no fast float32
   path), with ``scale_and_zero`` = (scale, min + 8 * scale) so that (q - 8) * s + z = s * q + min.
@@ -83,8 +83,9 @@ class GGUFQuantization(QuantizationMethod):
         return keep_quantized()
 
     def snapshot_recipe(self, model: nn.Module) -> dict[str, Any] | None:
-        """On the CPU, where decoding the blocks and packing the int4 layers is most of a small
-        model's load: each layer's parts (rows, kind, meta, buffer names) and the int8 head."""
+        """On the CPU, where decoding the blocks and packing the 4-bit layers is most of a small
+        model's load: each layer's parts (rows, kind, meta, buffer names) and the 8-bit head's
+        module, kind and rows."""
         layers: dict[str, list[list[Any]]] = {}
         logits = logits_kind = logits_rows = None
         for name, module in model.named_modules():
