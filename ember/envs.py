@@ -103,8 +103,9 @@ def grammar_deferred_accepts() -> bool:
 def cache_dir() -> str | None:
     """EMBER_CACHE_DIR: where ember keeps what it derives from a model file to load it faster
     the next time (a GGUF file's converted tokenizer, and its model as the gguf method packed it
-    for the CPU, ~200 MB for the default model, 4 GiB at most); default $XDG_CACHE_HOME/ember or
-    ~/.cache/ember. Set it to "off" to keep nothing on disk."""
+    for the CPU, ~200 MB for the default model, 4 GiB at most) and the native CPU kernel it
+    builds; default $XDG_CACHE_HOME/ember or ~/.cache/ember. Set it to "off" to keep nothing on
+    disk (the kernel is then built in a temporary directory)."""
     value = os.environ.get("EMBER_CACHE_DIR")
     if value is not None and value.strip().lower() in ("off", "0", "none", "false"):
         return None

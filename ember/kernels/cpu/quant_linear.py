@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 
 import torch
 
@@ -68,10 +69,13 @@ def build(extra_flags: tuple[str, ...] = ()) -> str:
         return path
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
+    start = time.perf_counter()
     proc = subprocess.run([compiler, *flags, "-o", tmp, _SOURCE], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
     os.replace(tmp, path)  # atomic: a concurrent build of the same key writes the same file
+    logger.info("built the native quantized CPU kernel in %.1f s (%s)",
+                time.perf_counter() - start, path)
     return path
 
 
