@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.kernels.cpu import quant_linear as native
 from ember.layers.linear import Linear, LinearMethod, shard_offset_size
 from ember.quantization.base import QuantizationMethod
 from ember.quantization.gguf_blocks import (
@@ -149,9 +150,7 @@ class NativeLogits(nn.Module):
 
     @classmethod
     def build(cls, weight: torch.Tensor) -> NativeLogits | None:
-        from ember.kernels.cpu.quant_linear import pack_symmetric_8bit
-
-        blocks = pack_symmetric_8bit(weight)
+        blocks = native.pack_symmetric_8bit(weight)
         return None if blocks is None else cls.from_blocks(blocks, weight.shape[0])
 
     @classmethod
@@ -162,13 +161,9 @@ class NativeLogits(nn.Module):
         return head
 
     def prepare_for_compile(self) -> None:
-        from ember.kernels.cpu.quant_linear import quant_linear_op
-
-        quant_linear_op()
+        native.quant_linear_op()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from ember.kernels.cpu import quant_linear as native
-
         if torch.compiler.is_compiling():
             return torch.ops.ember.quant_linear(hidden, self.blocks, self.vocab, 8)
         return native.quant_linear(hidden, self.blocks, self.vocab, bits=8)
@@ -215,15 +210,14 @@ class _Part(nn.Module):
             self.register_buffer(name, t)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "native":
+            if torch.compiler.is_compiling():  # one opaque op (prepare_for_compile made it)
+                y = torch.ops.ember.quant_linear(x, self.blocks, self.rows, self.meta["bits"])
+            else:
+                y = native.quant_linear(x, self.blocks, self.rows, self.meta["bits"])
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         if self.kind == "float":
             return F.linear(x, self.weight.to(x.dtype))
-        if self.kind == "native":
-            from ember.kernels.cpu import quant_linear as native
-
-            if torch.compiler.is_compiling():  # one opaque op (prepare_for_compile made it)
-                return torch.ops.ember.quant_linear(x, self.blocks, self.rows,
-                                                    self.meta["bits"]).to(x.dtype)
-            return native.quant_linear(x, self.blocks, self.rows, self.meta["bits"]).to(x.dtype)
         if self.kind == "int4_cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(_INT4_CPU_DTYPE), self.packed, 32, self.scale_zero)
@@ -237,9 +231,7 @@ class _Part(nn.Module):
 
     def prepare_for_compile(self) -> None:
         if self.kind == "native":
-            from ember.kernels.cpu.quant_linear import quant_linear_op
-
-            quant_linear_op()
+            native.quant_linear_op()
 
     def affine(self) -> AffineCodes:
         m = self.meta
@@ -275,13 +267,12 @@ def _part_for(weights: list[tuple[Any, torch.Tensor, tuple[int, int]]],
             tensors["min"] = mn.to(device)
         return _Part(rows, "triton", tensors, meta)
     if first.group == 32 and _native_kernel():
-        from ember.kernels.cpu.quant_linear import pack
-
         offset = mn if mn is not None else torch.zeros_like(scale)
         if first.bits == 4:  # codes 0..15, the offset folded into the min
-            bits, blocks = 4, pack(codes, scale, offset - first.offset * scale, bits=4)
+            bits, blocks = 4, native.pack(codes, scale, offset - first.offset * scale, bits=4)
         else:  # codes less their offset fit int8 (5- and 8-bit types)
-            bits, blocks = 8, pack(codes.to(torch.int16) - first.offset, scale, offset, bits=8)
+            bits, blocks = 8, native.pack(codes.to(torch.int16) - first.offset, scale, offset,
+                                          bits=8)
         if blocks is not None:
             return _Part(rows, "native", {"blocks": blocks}, {**meta, "bits": bits})
     if first.bits == 4 and first.group == 32:
@@ -300,9 +291,7 @@ def _part_for(weights: list[tuple[Any, torch.Tensor, tuple[int, int]]],
 def _native_kernel() -> bool:
     """Whether ember's native quantized CPU kernel runs here on AVX512-BF16 (its plain-C build,
     for CPUs without, is slower than torch's int4 matmul)."""
-    from ember.kernels.cpu import quant_linear
-
-    return quant_linear.native_bf16()
+    return native.native_bf16()
 
 
 def _float(t: torch.Tensor, qtype: Any, shape: tuple[int, int]) -> torch.Tensor:
