@@ -30,7 +30,7 @@ import time
 
 import torch
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ember")
 
 TILE, GROUP, HEADER_BYTES = 16, 32, 64
 _SOURCE = os.path.join(os.path.dirname(__file__), "quant_linear.c")
