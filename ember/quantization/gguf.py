@@ -74,8 +74,8 @@ class GGUFQuantization(QuantizationMethod):
             weight = getattr(head, "weight", None)
             if (name.endswith(suffix) and isinstance(weight, torch.Tensor) and weight.dim() == 2
                     and weight.device.type == "cpu"):
-                native = NativeLogits.build(weight.detach()) if _native_kernel() else None
-                head.logits_method = native or Int8Logits(weight.detach())
+                native_head = NativeLogits.build(weight.detach()) if _native_kernel() else None
+                head.logits_method = native_head or Int8Logits(weight.detach())
                 return
 
     def loading_context(self):  # type: ignore[no-untyped-def]
@@ -164,9 +164,7 @@ class NativeLogits(nn.Module):
         native.quant_linear_op()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return torch.ops.ember.quant_linear(hidden, self.blocks, self.vocab, 8)
-        return native.quant_linear(hidden, self.blocks, self.vocab, bits=8)
+        return native.linear(hidden, self.blocks, self.vocab, 8)
 
 
 class Int8Logits(nn.Module):
@@ -211,10 +209,7 @@ class _Part(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "native":
-            if torch.compiler.is_compiling():  # one opaque op (prepare_for_compile made it)
-                y = torch.ops.ember.quant_linear(x, self.blocks, self.rows, self.meta["bits"])
-            else:
-                y = native.quant_linear(x, self.blocks, self.rows, self.meta["bits"])
+            y = native.linear(x, self.blocks, self.rows, self.meta["bits"])
             return y if x.dtype == torch.float32 else y.to(x.dtype)
         if self.kind == "float":
             return F.linear(x, self.weight.to(x.dtype))

@@ -12,8 +12,8 @@ Built on first use with the machine's C compiler (``CC``, else ``cc``; -O3 -marc
 source, the flags and the CPU's feature flags; ``available()`` is False where it cannot be
 built, and callers keep torch's int4 matmul. Under ``torch.compile`` (``compile_model=True``)
 the call is the custom op ``ember::quant_linear`` (``quant_linear_op``), which dynamo keeps as
-one opaque call instead of breaking the graph at a ctypes call; eager calls skip the op's
-dispatch.
+one opaque call instead of breaking the graph at a ctypes call; ``linear`` picks the op when
+tracing and the plain call (no op dispatch) otherwise.
 """
 
 from __future__ import annotations
@@ -178,6 +178,14 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, n: int, bits: int = 4,
         if status:
             raise MemoryError("quant_linear: out of memory for its buffers")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def linear(x: torch.Tensor, blocks: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """``quant_linear`` for a model's forward: under ``torch.compile`` the custom op (which
+    ``quant_linear_op()`` must have registered before tracing), otherwise the plain call."""
+    if torch.compiler.is_compiling():
+        return torch.ops.ember.quant_linear(x, blocks, n, bits)
+    return quant_linear(x, blocks, n, bits)
 
 
 @functools.cache
