@@ -1,12 +1,22 @@
-"""CPU decode call-count savings that must not change a bit: rotary on q and k as one view of
-the fused qkv output, and float32 RMSNorm as one torch call."""
+"""CPU decode call-count savings of the torch path (KernelConfig(cpu_layers=False); the native
+ops are tests/test_cpu_layer_ops.py) that must not change a bit: rotary on q and k as one view
+of the fused qkv output, and float32 RMSNorm as one torch call."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from ember.kernels import KernelConfig, use_kernel_config
 from ember.layers import rotary
 from ember.layers.rotary import RotaryEmbedding
+
+
+@pytest.fixture(autouse=True)
+def torch_ops():
+    """Layers built in these tests keep the torch ops."""
+    with use_kernel_config(KernelConfig(cpu_layers=False)):
+        yield
 
 
 def _qkv(t: int, hq: int, hk: int, d: int) -> tuple[torch.Tensor, ...]:

@@ -39,7 +39,9 @@ def test_async_scheduling_default_follows_the_device():
 def test_cpu_device_operations_are_host_defaults():
     cpu = CpuPlatform()
     assert cpu.device_is_host()
-    assert not cpu.supports_cuda_graphs
+    # Its graphs are native-call replays (tests/test_cpu_graphs.py), refused where they cannot be.
+    assert cpu.supports_cuda_graphs and cpu.graph_capture_checks_work
+    assert cpu.graph_memory_pool() is None
     cpu.synchronize()
     cpu.record_event().synchronize()  # nothing queued: returns at once
     buf = cpu.empty_host_buffer(10, torch.int32)
@@ -56,11 +58,15 @@ def test_cpu_does_not_run_the_memory_profile():
 
 
 def test_graph_hooks_refuse_on_a_platform_without_graphs():
-    cpu = CpuPlatform()
-    with pytest.raises(NotImplementedError, match="'cpu' does not capture graphs"):
-        cpu.graph_memory_pool()
-    with pytest.raises(NotImplementedError, match="'cpu' does not capture graphs"):
-        cpu.capture_graph(lambda: None, None)
+    class Bare(Platform):
+        name = "bare"
+
+    bare = Bare()
+    assert not bare.supports_cuda_graphs and not bare.graph_capture_checks_work
+    with pytest.raises(NotImplementedError, match="'bare' does not capture graphs"):
+        bare.graph_memory_pool()
+    with pytest.raises(NotImplementedError, match="'bare' does not capture graphs"):
+        bare.capture_graph(lambda: None, None)
 
 
 def test_a_non_host_device_is_staged():
@@ -113,6 +119,7 @@ class FakeGraph:
 class ReplayingCpu(CpuPlatform):
     name = "replaying_cpu"
     supports_cuda_graphs = True
+    graph_capture_checks_work = False  # replays whatever it ran: needs a graph-safe backend
 
     def graph_memory_pool(self):
         return "pool"
@@ -225,8 +232,10 @@ def test_graphs_need_platform_backend_and_no_enforce_eager():
 
     args = EngineArgs()
     assert captures_graphs(args, ReplayingCpu(), RecordingBackend)
-    assert not captures_graphs(args, CpuPlatform(), RecordingBackend)
     assert not captures_graphs(args, ReplayingCpu(), AttentionBackend)
+    # A platform whose capture refuses what it cannot replay tries any backend.
+    assert captures_graphs(args, CpuPlatform(), AttentionBackend)
+    assert not captures_graphs(EngineArgs(enforce_eager=True), CpuPlatform(), AttentionBackend)
     assert not captures_graphs(EngineArgs(enforce_eager=True), ReplayingCpu(), RecordingBackend)
 
 

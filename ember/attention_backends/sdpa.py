@@ -11,6 +11,10 @@ One step does three things, following the contract in ``base.py``:
 
 Per-step work that every layer would repeat (block ids to gather, masks) is computed once per
 step and kept in ``metadata.backend_data`` (a ``SdpaPlan``), keyed by block size and window.
+
+On the CPU with a float32 cache, steps 1 and 2 are native calls instead
+(ember.kernels.cpu.layer_ops): the store in one call, and decode attention read straight from
+the cache through the block table, with no gather, no mask and no padding.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 
 from ember.attention_backends.base import AttentionBackend, AttentionImpl, AttentionMetadata
 from ember.kernels.buffers import release_scratch, scratch_buffer
+from ember.kernels.cpu import layer_ops
 
 # Gathered decode K/V can be tens of MB per layer; on the CPU a fresh allocation that large is
 # an mmap whose pages fault in on every layer, which costs as much as the copy itself. Layers run
@@ -61,25 +66,27 @@ class _PrefillReq:
 
 @dataclass
 class SdpaPlan:
-    """Step-level data shared by every layer; the per-layer parts are built on first use."""
+    """Step-level data shared by every layer; the per-layer parts are built on first use.
+
+    Building it does no tensor work (slicing only), so that a captured CPU decode graph, whose
+    forward may only make native calls, can build it; the torch path's parts are computed on
+    first use."""
 
     metadata: AttentionMetadata
-    write_slots: torch.Tensor  # [n_valid] int64 cache slots of the new tokens
-    write_rows: torch.Tensor | None  # rows of key/value to store; None = rows 0..n_valid-1
+    slots: torch.Tensor  # [num_actual_tokens] int64 cache slots, < 0 = padding (not stored)
     prefills: list[_PrefillReq]
+    cpu_ops: bool = False  # the step's tensors suit ember.kernels.cpu.layer_ops
     consumers: set[int] = field(default_factory=set)  # ids of the impls that used this plan
+    _writes: tuple[torch.Tensor, torch.Tensor | None] | None = None
     _decode: dict[tuple[int, int | None], _DecodePlan] = field(default_factory=dict)
     _blocks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     @classmethod
     def build(cls, md: AttentionMetadata) -> SdpaPlan:
-        slots = md.slot_mapping[: md.num_actual_tokens].long()
-        valid = slots >= 0
-        rows = None
-        if not bool(valid.all()):
-            rows = valid.nonzero().squeeze(1)
-            slots = slots.index_select(0, rows)
+        slots = md.slot_mapping[: md.num_actual_tokens]
+        if slots.dtype != torch.int64:
+            slots = slots.long()
         qsl = md.query_start_loc_cpu
         num_decode_reqs = md.num_decode_tokens  # one token per decode request
         prefills = [
@@ -87,7 +94,21 @@ class SdpaPlan:
             for i in range(num_decode_reqs, md.num_reqs)
             if qsl[i + 1] > qsl[i]
         ]
-        return cls(md, slots, rows, prefills)
+        cpu_ops = (md.seq_lens.device.type == "cpu"
+                   and md.block_table.dtype == md.seq_lens.dtype == torch.int32
+                   and md.block_table.stride(1) == 1 and md.seq_lens.is_contiguous())
+        return cls(md, slots, prefills, cpu_ops)
+
+    def writes(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(slots of the tokens to store, their rows in key/value; None = rows 0..n-1)."""
+        if self._writes is None:
+            slots, rows = self.slots, None
+            valid = slots >= 0
+            if not bool(valid.all()):
+                rows = valid.nonzero().squeeze(1)
+                slots = slots.index_select(0, rows)
+            self._writes = (slots, rows)
+        return self._writes
 
     def decode_plan(self, block_size: int, window: int | None) -> _DecodePlan:
         key = (block_size, window)
@@ -172,8 +193,25 @@ def _attend(
     return torch.matmul(s.softmax(-1).to(v.dtype), v)
 
 
+def _heads_contiguous(t: torch.Tensor) -> bool:
+    """[tokens, heads, D] with each token's heads side by side (rows may be strided)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
 class SdpaImpl(AttentionImpl):
     """Paged attention through ``torch.nn.functional.scaled_dot_product_attention``."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.use_cpu_ops = layer_ops.configured()
+
+    @staticmethod
+    def _cpu_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    kv_cache: torch.Tensor) -> bool:
+        """This layer's tensors as the native ops take them (the step's part: SdpaPlan)."""
+        return (key.dtype == value.dtype == kv_cache.dtype == torch.float32
+                and kv_cache.is_contiguous() and _heads_contiguous(query)
+                and _heads_contiguous(key) and _heads_contiguous(value))
 
     def forward(
         self,
@@ -188,9 +226,20 @@ class SdpaImpl(AttentionImpl):
         out = query.new_empty(query.shape[0], self.num_heads * self.head_size)
         if n < out.shape[0]:
             out[n:] = 0  # padding rows: defined values are cheaper to debug than garbage
-        self._store_kv(key, value, kv_cache, plan)
-        if metadata.num_decode_tokens > 0:
-            self._decode(query, kv_cache, plan, out)
+        num_decode = metadata.num_decode_tokens
+        if (self.use_cpu_ops and plan.cpu_ops and layer_ops.takes(query)
+                and self._cpu_layout(query, key, value, kv_cache)):
+            if num_decode > 0:  # the store and decode attention in one call
+                layer_ops.decode_attention(
+                    query[:num_decode], kv_cache, metadata.block_table[:num_decode],
+                    metadata.seq_lens[:num_decode], out[:num_decode], self.scale,
+                    self.sliding_window, self.logits_soft_cap, (key, value, plan.slots))
+            else:
+                layer_ops.store_kv(key, value, kv_cache, plan.slots)
+        else:
+            self._store_kv(key, value, kv_cache, plan)
+            if num_decode > 0:
+                self._decode(query, kv_cache, plan, out)
         for p in plan.prefills:
             self._prefill(query, key, value, kv_cache, plan, p, out)
         return out
@@ -213,17 +262,17 @@ class SdpaImpl(AttentionImpl):
     def _store_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: SdpaPlan
     ) -> None:
-        n = plan.write_slots.shape[0]
+        write_slots, rows = plan.writes()
+        n = write_slots.shape[0]
         if n == 0:
             return
         # .view (not reshape) so that a non-contiguous cache fails loudly instead of writing
         # into a temporary copy.
         flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
-        rows = plan.write_rows
         k = key[:n] if rows is None else key.index_select(0, rows)
         v = value[:n] if rows is None else value.index_select(0, rows)
-        flat[0].index_copy_(0, plan.write_slots, k.to(flat.dtype))
-        flat[1].index_copy_(0, plan.write_slots, v.to(flat.dtype))
+        flat[0].index_copy_(0, write_slots, k.to(flat.dtype))
+        flat[1].index_copy_(0, write_slots, v.to(flat.dtype))
 
     def _decode(
         self, query: torch.Tensor, kv_cache: torch.Tensor, plan: SdpaPlan, out: torch.Tensor

@@ -32,6 +32,10 @@ class KernelConfig:
     # fast mode, without promoting partial sums to float32 every few K steps, as vLLM's
     # CUTLASS fp8 kernels for sm90 do (its FP8FastAccum schedules).
     fp8_fast_accumulation: bool = True
+    # RMSNorm, rotary, SiLU-and-mul, the KV store and decode attention run as native calls on
+    # the CPU in float32 (ember.kernels.cpu.layer_ops), agreeing with the torch ops to rounding;
+    # off, the torch ops (bit for bit HF transformers' float32 arithmetic).
+    cpu_layers: bool = True
 
 
 _current = KernelConfig()

@@ -5,7 +5,8 @@ On CUDA in half precision the norm (and the residual add before it, ``forward_wi
 runs as one Triton kernel instead (ember.kernels.rms_norm); elsewhere the torch ops. Given the
 linear layer it feeds (``quant_for``), the kernel writes the rows already quantized when that
 layer asks for it (an fp8 layer: ``Linear.quantized_input_dtype``), and the result is a
-QuantizedActivation.
+QuantizedActivation. On the CPU in float32 it is one native call (ember.kernels.cpu.layer_ops),
+equal to the torch ops to rounding.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from ember import kernels
 from ember.kernels import dispatch
 from ember.kernels.config import kernel_config
+from ember.kernels.cpu import layer_ops
 from ember.layers.linear import Linear, QuantizedActivation, wants_fp8_input
 
 
@@ -29,6 +31,7 @@ class RMSNorm(nn.Module):
         self._shape = (hidden_size,)
         self.use_kernel = dispatch.layer_kernels_enabled()
         self.quantized_producer = self.use_kernel and kernel_config().quantized_producers
+        self.use_cpu_ops = layer_ops.configured()
 
     def forward(self, x: torch.Tensor,
                 quant_for: Linear | None = None) -> torch.Tensor | QuantizedActivation:
@@ -37,6 +40,8 @@ class RMSNorm(nn.Module):
                 q, scale, _ = kernels.rms_norm.rms_norm_fp8(x, self.weight, self.eps)
                 return QuantizedActivation(q, scale)
             return kernels.rms_norm.rms_norm(x, self.weight, self.eps)
+        if self._takes_cpu_ops(x):
+            return layer_ops.rms_norm(x, self.weight, self.eps)
         return self._forward_torch(x)
 
     def forward_with_residual(
@@ -51,9 +56,15 @@ class RMSNorm(nn.Module):
                 q, scale, h = kernels.rms_norm.rms_norm_fp8(x, self.weight, self.eps, residual)
                 return QuantizedActivation(q, scale), h
             return kernels.rms_norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if self._takes_cpu_ops(x) and layer_ops.rows_of(residual) is not None:
+            return layer_ops.rms_norm(x, self.weight, self.eps, residual), x
         # In place, as the decoder always did (branch.add_(residual)): no extra allocation.
         h = x.add_(residual)
         return self._forward_torch(h), h
+
+    def _takes_cpu_ops(self, x: torch.Tensor) -> bool:
+        return (self.use_cpu_ops and self.weight.dtype == torch.float32
+                and layer_ops.takes(x) and layer_ops.rows_of(x) is not None)
 
     def _quantizes_for(self, layer: Linear | None, x: torch.Tensor) -> bool:
         return self.quantized_producer and wants_fp8_input(layer, x)

@@ -8,7 +8,8 @@ HF does, and shared by every layer; there is no position table, so no max-length
 buffer to move between devices.
 
 On CUDA in half precision ``apply_qk`` rotates q and k in place with one Triton kernel
-(ember.kernels.rotary), bit-identical to the torch ops of ``apply``.
+(ember.kernels.rotary), bit-identical to the torch ops of ``apply``; on the CPU in float32 with
+one native call (ember.kernels.cpu.layer_ops), bit-identical too.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from ember import kernels
 from ember.kernels import dispatch
+from ember.kernels.cpu import layer_ops
 from ember.layers.norm import RMSNorm
 
 _SUPPORTED = ("default", "linear", "llama3", "longrope")
@@ -137,6 +139,7 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = attention_scaling
         self._per_device: dict[torch.device, torch.Tensor] = {}
         self.use_kernel = dispatch.layer_kernels_enabled()
+        self.use_cpu_ops = layer_ops.configured()
 
     @classmethod
     def from_config(cls, config: Any, head_size: int) -> RotaryEmbedding:
@@ -161,6 +164,9 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape [T, 1, rotary_dim // 2] (broadcast over heads), in ``dtype``."""
         inv = self.inv_freq_on(positions.device)
+        if (self.use_cpu_ops and dtype == torch.float32 and positions.dtype == torch.int64
+                and positions.dim() == 1 and positions.is_contiguous() and layer_ops.takes(inv)):
+            return layer_ops.cos_sin(positions, inv, self.attention_scaling)
         freqs = positions.float()[:, None] * inv
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_scaling != 1.0:
@@ -181,8 +187,9 @@ class RotaryEmbedding(nn.Module):
         qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``apply`` to q and k, after ``qk_norms`` = (q_norm, k_norm) over each head where
-        given (Qwen3). With the fused kernel they are rotated (and normed) in place (they may
-        be views of the fused qkv output) and returned; otherwise new tensors are returned."""
+        given (Qwen3). With the fused kernel or the native CPU op they are rotated (and normed)
+        in place (they may be views of the fused qkv output) and returned; otherwise new tensors
+        are returned."""
         if self.use_kernel and dispatch.takes_kernel(q):
             if qk_norms is not None and not self._norm_fuses(q, qk_norms):
                 q, k = qk_norms[0](q), qk_norms[1](k)
@@ -193,6 +200,11 @@ class RotaryEmbedding(nn.Module):
             return q, k
         if qk_norms is not None:
             q, k = qk_norms[0](q), qk_norms[1](k)
+        if (self.use_cpu_ops and layer_ops.takes(q) and layer_ops.rotary_fits(q, cos)
+                and layer_ops.rotary_fits(k, cos) and sin.is_contiguous()):
+            # In place, as the CUDA kernel: q and k in one native call.
+            layer_ops.rotary_inplace(q, k, cos, sin, self.rotary_dim)
+            return q, k
         joint = _adjacent_heads(q, k)
         if joint is not None:
             # One pass over q's and k's heads together: the same arithmetic per element, half

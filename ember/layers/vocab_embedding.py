@@ -5,7 +5,8 @@ zero padding). The embedding looks up the ids that fall in its rows, zeroes the 
 over ranks (all-reduce: exactly one rank contributes each row, so the sum is exact); the LM head
 computes its slice of the logits and gathers the slices. The weight loader keeps only this
 rank's rows of the checkpoint tensor. With one rank both are plain lookups / matmuls on a
-[vocab, hidden] ``weight``, named as nn.Embedding's.
+[vocab, hidden] ``weight``, named as nn.Embedding's; on the CPU in float32 the lookup is a native
+call (ember.kernels.cpu.layer_ops), which a captured CPU decode graph replays.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from ember.distributed import parallel_state as ps
 from ember.distributed.communicator import tp_all_gather, tp_all_reduce
+from ember.kernels.cpu import layer_ops
 from ember.layers.linear import compute_logits, set_weight_attrs
 
 
@@ -31,6 +33,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = min(self.tp_rank * self.rows, num_embeddings)
         self.end = min(self.start + self.rows, num_embeddings)
         self.prefix = prefix
+        self.use_cpu_ops = layer_ops.configured()
         self.weight = nn.Parameter(torch.empty(self.rows, embedding_dim, dtype=dtype),
                                    requires_grad=False)
         self._set_attrs()
@@ -58,7 +61,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            weight = self.weight
+            if (self.use_cpu_ops and layer_ops.takes(weight) and input_ids.dim() == 1
+                    and input_ids.dtype == torch.int64 and input_ids.is_contiguous()
+                    and weight.is_contiguous()):
+                return layer_ops.embedding(input_ids, weight)
+            return F.embedding(input_ids, weight)
         inside = (input_ids >= self.start) & (input_ids < self.end)
         local = torch.where(inside, input_ids - self.start, torch.zeros_like(input_ids))
         out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)

@@ -24,6 +24,11 @@ class DeviceEvent(Protocol):
     def synchronize(self) -> None: ...
 
 
+class GraphCaptureRefused(RuntimeError):
+    """capture_graph could not capture this forward (it did work the graph cannot replay);
+    the engine runs its decode steps eagerly instead."""
+
+
 class Graph(Protocol):
     """A captured device graph: `replay()` reruns the captured work on the captured buffers."""
 
@@ -60,6 +65,11 @@ class Platform:
     # Whether decode steps may be captured as graphs (capture_graph below). The engine captures
     # only when the attention backend is graph-safe too and enforce_eager is off.
     supports_cuda_graphs: ClassVar[bool] = False
+    # Whether capture_graph itself refuses a forward it cannot replay (GraphCaptureRefused), so
+    # that any attention backend may be tried, graph-safe by declaration or not.
+    graph_capture_checks_work: ClassVar[bool] = False
+    # The largest decode batch captured (None: the engine's own limit).
+    max_graph_batch_size: ClassVar[int | None] = None
     # Whether the engine overlaps scheduling step N+1 with step N's device work by default. Worth
     # it only where the device runs asynchronously from the host (a GPU); on the CPU the forward
     # pass runs on the calling thread, so there is nothing to overlap.
@@ -156,7 +166,7 @@ class Platform:
 
     def capture_graph(self, run: Callable[[], T], pool: Any) -> tuple[Graph, T]:
         """Capture the device work of `run()` into a graph using `pool`; returns the graph and
-        run's result (tensors that each replay overwrites)."""
+        run's result (tensors that each replay overwrites). May raise GraphCaptureRefused."""
         raise NotImplementedError(f"platform {self.name!r} does not capture graphs")
 
     def seed_everything(self, seed: int) -> None:

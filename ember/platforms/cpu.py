@@ -1,16 +1,22 @@
 """The CPU platform: float32 by default, the SDPA backend, KV cache sized from free RAM.
 
 Its device operations are the Platform defaults: work runs on the calling thread and tensors live
-in host memory, so there is nothing to wait for, pin, copy or capture.
+in host memory, so there is nothing to wait for, pin or copy. Decode graphs are the forward's
+native calls (ember.kernels.cpu.native): captured where every op of the forward is one (float32
+models of the Llama family with the SDPA backend), replayed without the layers' Python; any
+other forward is refused at capture and runs eagerly.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
-from ember.platforms.base import Platform
+from ember.platforms.base import GraphCaptureRefused, Platform
+
+T = TypeVar("T")
 
 logger = logging.getLogger("ember")
 _DEFAULT_CPU_KV_BYTES = 4 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE default of 4 GiB
@@ -22,6 +28,21 @@ class CpuPlatform(Platform):
     preferred_attention_backends: ClassVar[list[str]] = ["sdpa"]
     supported_dtypes: ClassVar[list[str]] = ["float32", "bfloat16", "float16"]
     default_dtype: ClassVar[str] = "float32"
+    supports_cuda_graphs: ClassVar[bool] = True  # native-call graphs, see the module docstring
+    graph_capture_checks_work: ClassVar[bool] = True
+    # Past a few dozen rows a step's work outweighs its Python; each size keeps its own buffers.
+    max_graph_batch_size: ClassVar[int | None] = 32
+
+    def graph_memory_pool(self) -> Any:
+        return None  # each graph keeps the tensors its calls touch
+
+    def capture_graph(self, run: Callable[[], T], pool: Any) -> tuple[Any, T]:
+        from ember.kernels.cpu import native
+
+        try:
+            return native.capture(run)
+        except native.CaptureRefused as exc:
+            raise GraphCaptureRefused(str(exc)) from None
 
     def kv_cache_memory_bytes(self, gpu_memory_utilization: float) -> int:
         # gpu_memory_utilization has no meaning for host RAM (vLLM's CPU backend ignores it too);

@@ -133,7 +133,8 @@ def captures_graphs(args: EngineArgs, platform: Platform,
     """Decode graphs need a platform that captures them and a graph-safe backend."""
     # Pipeline stages exchange activations with point-to-point sends, kept out of graphs.
     return (not args.enforce_eager and platform.supports_cuda_graphs
-            and attn_backend.supports_cuda_graphs and args.pipeline_parallel_size == 1)
+            and (attn_backend.supports_cuda_graphs or platform.graph_capture_checks_work)
+            and args.pipeline_parallel_size == 1)
 
 
 def build_worker(args: EngineArgs) -> BuiltWorker:
@@ -182,7 +183,9 @@ def build_worker(args: EngineArgs) -> BuiltWorker:
     capture_seconds = 0.0
     if captures_graphs(args, platform, attn_backend):
         with profile.stage("graph_capture"):
-            capture_seconds = runner.capture_graphs(min(args.max_num_seqs, MAX_GRAPH_BATCH_SIZE))
+            capture_seconds = runner.capture_graphs(min(
+                args.max_num_seqs, platform.max_graph_batch_size or MAX_GRAPH_BATCH_SIZE,
+                MAX_GRAPH_BATCH_SIZE))
     if args.compile_model:
         # After graph capture: decode graphs hold the eager kernels (fused ones on CUDA);
         # the compiled model serves the steps that run eagerly (prefill, mixed, large).

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ember.attention_backends.base import AttentionBackend, AttentionMetadata
+from ember.platforms.base import GraphCaptureRefused
 from ember.worker.input_batch import FlatBatch
 
 if TYPE_CHECKING:
@@ -111,18 +112,26 @@ class GraphRunner:
         self.seq_lens.fill_(1)  # capture-time values: every row reads one (junk) key
         pool = platform.graph_memory_pool()
         with _collector_paused():
-            for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-                metadata = self._metadata(bs, max_len, [1] * bs, bs)
-                ctx = ForwardContext(attn_metadata=metadata, kv_caches=runner.kv_caches)
-                args = (self.input_ids[:bs], self.positions[:bs], ctx)
-                runner.model(*args)  # warm-up: compiles kernels, fills lazy caches
-                platform.synchronize()
-                self.graphs[bs], self.outputs[bs] = platform.capture_graph(
-                    lambda args=args: runner.model(*args), pool
-                )
+            try:
+                for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+                    metadata = self._metadata(bs, max_len, [1] * bs, bs)
+                    ctx = ForwardContext(attn_metadata=metadata, kv_caches=runner.kv_caches)
+                    args = (self.input_ids[:bs], self.positions[:bs], ctx)
+                    runner.model(*args)  # warm-up: compiles kernels, fills lazy caches
+                    platform.synchronize()
+                    self.graphs[bs], self.outputs[bs] = platform.capture_graph(
+                        lambda args=args: runner.model(*args), pool
+                    )
+            except GraphCaptureRefused as exc:
+                self.graphs.clear()
+                self.outputs.clear()
+                logger.info("decode steps run eagerly: the platform cannot capture this "
+                            "model's forward (%s)", exc)
         platform.synchronize()
         self.seq_lens.zero_()
         self.capture_seconds = time.perf_counter() - start
+        if not self.graphs:
+            return
         logger.info("captured %d decode graphs (batch 1..%d) in %.1f s", len(self.sizes),
                     self.max_batch_size, self.capture_seconds)
 

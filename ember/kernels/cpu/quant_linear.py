@@ -20,63 +20,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import time
 
 import torch
+
+from ember.kernels.cpu import native
 
 logger = logging.getLogger("ember")
 
 TILE, GROUP, HEADER_BYTES = 16, 32, 64
-_SOURCE = os.path.join(os.path.dirname(__file__), "quant_linear.c")
-_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fopenmp"]
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return ""
 
 
 def build(extra_flags: tuple[str, ...] = ()) -> str:
-    """The shared library's path, compiled now unless a build with the same key is cached.
-    Raises RuntimeError (with the compiler's message) when it cannot be built."""
-    from ember import envs
-
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise RuntimeError("no C compiler found (set CC)")
-    flags = _FLAGS + list(extra_flags)
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256(b"\0".join([source, " ".join([compiler, *flags]).encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
-    base = envs.cache_dir()
-    directory = os.path.join(base, "cpu_kernels") if base else os.path.join(
-        tempfile.gettempdir(), f"ember-cpu-kernels-{os.getuid()}")
-    path = os.path.join(directory, f"quant_linear-{key}.so")
-    if os.path.exists(path):
-        return path
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    start = time.perf_counter()
-    proc = subprocess.run([compiler, *flags, "-o", tmp, _SOURCE], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
-    os.replace(tmp, path)  # atomic: a concurrent build of the same key writes the same file
-    logger.info("built the native quantized CPU kernel in %.1f s (%s)",
-                time.perf_counter() - start, path)
-    return path
+    """The shared library's path, compiled now unless cached (ember.kernels.cpu.native.build)."""
+    return native.build("quant_linear.c", extra_flags)
 
 
 def _load(path: str) -> ctypes.CDLL:
@@ -172,9 +129,10 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, n: int, bits: int = 4,
     rows = flat.shape[0]
     y = torch.empty((rows, n), dtype=torch.float32)
     if rows:
-        status = lib.ember_quant_linear(flat.data_ptr(), flat.stride(0), blocks.data_ptr(), bits,
-                                        y.data_ptr(), n, rows, n, k,
-                                        threads or torch.get_num_threads())
+        status = native.call(lib.ember_quant_linear,
+                             (flat.data_ptr(), flat.stride(0), blocks.data_ptr(), bits,
+                              y.data_ptr(), n, rows, n, k, threads or torch.get_num_threads()),
+                             (flat, blocks, y))
         if status:
             raise MemoryError("quant_linear: out of memory for its buffers")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

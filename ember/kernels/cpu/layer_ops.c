@@ -1,0 +1,281 @@
+/* A decoder layer's small ops on the CPU in float32, one call each instead of a dozen torch
+ * calls: on a small model a decode step is bound by the number of calls, not their work.
+ *
+ * - RMSNorm, optionally after adding the residual (the residual stream written back in place),
+ *   in HF's order: h * rsqrt(mean(h^2) + eps), then times the weight;
+ * - rotary (rotate_half convention) of q's and k's heads in place;
+ * - SiLU-and-mul of a fused gate_up output;
+ * - storing a step's keys and values into the paged cache at their slots;
+ * - decode attention straight from the paged cache through the block table (one query per
+ *   request, GQA, sliding window, logit soft-capping), without gathering the blocks.
+ *
+ * Built with -ffp-contract=off: rotary is then bit for bit torch's (products rounded before the
+ * sum). The reductions (the norm's mean, the attention's dots and softmax) differ from torch's
+ * in summation order, so they agree to rounding, not bit for bit.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <omp.h>
+#include <string.h>
+
+/* exp(v) to ~1 ulp in branch-free C that the compiler vectorizes (glibc's expf is not, without
+ * -ffast-math): 2^n * p(r), n = round(v / ln 2), r = v - n ln 2 in two parts, p of degree 6. */
+static inline float fast_exp(float v) {
+    v = v < -87.3f ? -87.3f : (v > 88.7f ? 88.7f : v);
+    const float n = nearbyintf(v * 1.44269504088896341f);
+    const float r = (v - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* out[r] = w * (h * rsqrt(mean(h^2) + eps)) with h = x[r] (+ residual[r], written to x[r]). */
+void ember_rms_norm(float *x, int64_t x_stride, const float *residual, int64_t res_stride,
+                    const float *weight, float *out, int64_t out_stride, int64_t rows,
+                    int64_t dim, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * dim >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        float *h = x + r * x_stride;
+        float *o = out + r * out_stride;
+        float sum = 0.0f;
+        if (residual) {
+            const float *res = residual + r * res_stride;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < dim; i++) {
+                float v = h[i] + res[i];
+                h[i] = v;
+                sum += v * v;
+            }
+        } else {
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < dim; i++) sum += h[i] * h[i];
+        }
+        float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = weight[i] * (h[i] * inv);
+    }
+}
+
+static void rotate_heads(float *x, int64_t heads, int64_t head_size, int64_t half,
+                         const float *c, const float *s) {
+    for (int64_t hd = 0; hd < heads; hd++) {
+        float *x1 = x + hd * head_size, *x2 = x1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            float a = x1[i], b = x2[i];
+            float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
+            x1[i] = ac - bs;
+            x2[i] = bc + as;
+        }
+    }
+}
+
+/* q [T, q_heads, head_size] and k [T, k_heads, head_size] (row strides given, heads
+ * contiguous) rotated in place over their first rotary_dim dims; cos/sin [T, rotary_dim / 2]
+ * contiguous. */
+void ember_rotary(float *q, int64_t q_stride, int64_t q_heads, float *k, int64_t k_stride,
+                  int64_t k_heads, int64_t tokens, int64_t head_size, int64_t rotary_dim,
+                  const float *cos_t, const float *sin_t, int threads) {
+    const int64_t half = rotary_dim / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tokens >= 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_t + t * half, *s = sin_t + t * half;
+        rotate_heads(q + t * q_stride, q_heads, head_size, half, c, s);
+        rotate_heads(k + t * k_stride, k_heads, head_size, half, c, s);
+    }
+}
+
+/* out[r, i] = silu(x[r, i]) * x[r, d + i], silu(v) = v / (1 + exp(-v)). */
+void ember_silu_and_mul(const float *x, int64_t x_stride, float *out, int64_t out_stride,
+                        int64_t rows, int64_t d, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * d >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * x_stride, *u = g + d;
+        float *o = out + r * out_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) o[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
+    }
+}
+
+/* cache [2, slots, width] (width = kv_heads * head_size); key/value rows of `width` floats
+ * (row strides given) go to their slot; a negative slot is skipped (padding). */
+void ember_store_kv(const float *key, int64_t k_stride, const float *value, int64_t v_stride,
+                    float *cache, int64_t num_slots, const int64_t *slots, int64_t rows,
+                    int64_t width) {
+    float *kc = cache, *vc = cache + num_slots * width;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t slot = slots[r];
+        if (slot < 0) continue;
+        const float *k = key + r * k_stride, *v = value + r * v_stride;
+        float *kd = kc + slot * width, *vd = vc + slot * width;
+        for (int64_t i = 0; i < width; i++) {
+            kd[i] = k[i];
+            vd[i] = v[i];
+        }
+    }
+}
+
+/* One request's kv heads kv0..kv0+nkv-1: their queries (q, nkv * group rows of d, local) over
+ * keys start..seq-1, into o. Each key row is read once, for all the heads (front to back, as
+ * the cache lays them out). scores holds nkv * group * (seq - start) floats, acc the sums. The
+ * queries and sums stay in local (restrict) buffers so that the loops keep them in registers;
+ * a head's arithmetic does not depend on nkv. */
+static inline __attribute__((always_inline)) void attend_heads(
+    const float *restrict q, const float *restrict kc, const float *restrict vc,
+    const int32_t *restrict table, int64_t block_size, int64_t token_stride, int64_t start,
+    int64_t seq, int64_t nkv, int64_t group, int64_t d, float scale, float soft_cap,
+    float *restrict scores, float *restrict acc, float *restrict o) {
+    const int64_t len = seq - start, rows = nkv * group;
+    for (int64_t t = start; t < seq;) {
+        const int64_t in_block = t % block_size;
+        const int64_t n = (block_size - in_block < seq - t) ? block_size - in_block : seq - t;
+        const float *restrict k = kc + ((int64_t)table[t / block_size] * block_size + in_block)
+                                           * token_stride;
+        for (int64_t j = 0; j < n; j++, k += token_stride) {
+            for (int64_t h = 0; h < rows; h++) {
+                const float *restrict qh = q + h * d, *restrict kh = k + (h / group) * d;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < d; i++) dot += qh[i] * kh[i];
+                scores[h * len + (t + j - start)] = dot * scale;
+            }
+        }
+        t += n;
+    }
+    for (int64_t h = 0; h < rows; h++) {
+        float *restrict sh = scores + h * len;
+        if (soft_cap > 0.0f)
+            for (int64_t t = 0; t < len; t++) sh[t] = soft_cap * tanhf(sh[t] / soft_cap);
+        float mx = -INFINITY, total = 0.0f;
+        for (int64_t t = 0; t < len; t++) mx = sh[t] > mx ? sh[t] : mx;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; t++) {
+            sh[t] = fast_exp(sh[t] - mx);
+            total += sh[t];
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) sh[t] *= inv;
+    }
+    for (int64_t i = 0; i < rows * d; i++) acc[i] = 0.0f;
+    for (int64_t t = start; t < seq;) {
+        const int64_t in_block = t % block_size;
+        const int64_t n = (block_size - in_block < seq - t) ? block_size - in_block : seq - t;
+        const float *restrict v = vc + ((int64_t)table[t / block_size] * block_size + in_block)
+                                           * token_stride;
+        for (int64_t j = 0; j < n; j++, v += token_stride) {
+            for (int64_t h = 0; h < rows; h++) {
+                const float p = scores[h * len + (t + j - start)];
+                float *restrict ah = acc + h * d;
+                const float *restrict vh = v + (h / group) * d;
+#pragma omp simd
+                for (int64_t i = 0; i < d; i++) ah[i] += p * vh[i];
+            }
+        }
+        t += n;
+    }
+    for (int64_t i = 0; i < rows * d; i++) o[i] = acc[i];
+}
+
+/* The step's keys and values stored first (ember_store_kv; n_store = 0: none), then one query
+ * per request: q [reqs, q_heads, D] (row stride q_stride), out [reqs, q_heads * D];
+ * cache [2, num_blocks, block_size, kv_heads, D]; block_table [reqs, *] int32 (row stride
+ * bt_stride), seq_lens [reqs] int32. Query head h reads kv head h / (q_heads / kv_heads).
+ * window > 0 keeps the last `window` keys; soft_cap > 0 applies cap * tanh(s / cap).
+ * Returns nonzero when out of memory. */
+int ember_decode_attention(const float *key, int64_t k_stride, const float *value,
+                           int64_t v_stride, const int64_t *slots, int64_t n_store,
+                           const float *q, int64_t q_stride, float *cache,
+                           int64_t num_blocks, int64_t block_size, const int32_t *block_table,
+                           int64_t bt_stride, const int32_t *seq_lens, float *out, int64_t reqs,
+                           int64_t q_heads, int64_t kv_heads, int64_t d, float scale,
+                           int64_t window, float soft_cap, int threads) {
+    const int64_t group = q_heads / kv_heads;
+    const int64_t token_stride = kv_heads * d;
+    const float *kc = cache, *vc = cache + num_blocks * block_size * token_stride;
+    if (n_store > 0)
+        ember_store_kv(key, k_stride, value, v_stride, cache, num_blocks * block_size, slots,
+                       n_store, token_stride);
+    int64_t longest = 0;
+    for (int64_t r = 0; r < reqs; r++) longest = seq_lens[r] > longest ? seq_lens[r] : longest;
+    if (window > 0 && longest > window) longest = window;
+    if (threads < 1) threads = 1;
+    /* A task is a request's kv heads: all of them (each key row read once) when there are
+     * enough requests for the threads, else one head each. */
+    const int64_t per_task = reqs >= threads ? kv_heads : 1;
+    const int64_t tasks = reqs * (kv_heads / per_task);
+    const int64_t rows = per_task * group;
+    /* Per thread: the scores, the queries and the sums. */
+    const size_t per_thread = (size_t)(rows * longest + 2 * rows * d + 16);
+    float *scratch = (float *)malloc(sizeof(float) * per_thread * (size_t)threads);
+    if (!scratch) return 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && tasks > 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t r = task / (kv_heads / per_task);
+        const int64_t kv0 = (task % (kv_heads / per_task)) * per_task;
+        const int64_t seq = seq_lens[r];
+        const int64_t start = (window > 0 && seq > window) ? seq - window : 0;
+        float *o = out + r * q_heads * d + kv0 * group * d;
+        if (seq - start <= 0) {
+            for (int64_t i = 0; i < rows * d; i++) o[i] = 0.0f;
+            continue;
+        }
+        float *mine = scratch + per_thread * (size_t)omp_get_thread_num();
+        float *ql = mine, *acc = mine + rows * d, *scores = mine + 2 * rows * d;
+        const float *qh = q + r * q_stride + kv0 * group * d;
+        for (int64_t i = 0; i < rows * d; i++) ql[i] = qh[i];
+        /* The common head sizes as constants, so the inner loops unroll. */
+#define ATTEND(D) attend_heads(ql, kc + kv0 * d, vc + kv0 * d, block_table + r * bt_stride, \
+                               block_size, token_stride, start, seq, per_task, group, D, scale, \
+                               soft_cap, scores, acc, o)
+        if (d == 64) ATTEND(64);
+        else if (d == 128) ATTEND(128);
+        else ATTEND(d);
+#undef ATTEND
+    }
+    free(scratch);
+    return 0;
+}
+
+/* out[r] = weight[ids[r]] (rows of dim floats); an id outside [0, vocab) gives zeros. */
+void ember_embedding(const float *weight, int64_t vocab, int64_t dim, const int64_t *ids,
+                     int64_t rows, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t id = ids[r];
+        float *o = out + r * dim;
+        if (id < 0 || id >= vocab) {
+            for (int64_t i = 0; i < dim; i++) o[i] = 0.0f;
+            continue;
+        }
+        const float *w = weight + id * dim;
+        for (int64_t i = 0; i < dim; i++) o[i] = w[i];
+    }
+}
+
+/* cos/sin [T, half] of positions[t] * inv_freq[i] (the float32 product, as torch takes it),
+ * times scaling when it is not 1. */
+void ember_cos_sin(const int64_t *positions, int64_t tokens, const float *inv_freq, int64_t half,
+                   float scaling, float *cos_out, float *sin_out) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const float pos = (float)positions[t];
+        for (int64_t i = 0; i < half; i++) {
+            const float f = pos * inv_freq[i];
+            float c = cosf(f), s = sinf(f);
+            if (scaling != 1.0f) {
+                c *= scaling;
+                s *= scaling;
+            }
+            cos_out[t * half + i] = c;
+            sin_out[t * half + i] = s;
+        }
+    }
+}
