@@ -47,13 +47,15 @@ def test_capture_refuses_torch_work_and_names_it():
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return str(make_tiny_model("llama", tmp_path_factory.mktemp("llama")))
+def tiny(tmp_path_factory):
+    def make(arch: str) -> str:
+        return str(make_tiny_model(arch, tmp_path_factory.mktemp(arch)))
+    return make
 
 
-def _decode(prompts, eager: bool, model: str | None = None):
+def _decode(prompts, eager: bool, model: str | None = None, dtype: str = "auto"):
     llm = LLM(model, skip_tokenizer_init=True, max_model_len=256, enforce_eager=eager,
-              max_num_seqs=8)
+              max_num_seqs=8, dtype=dtype)
     graphs = llm.llm_engine.executor.runner.graph_runner
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     # Batches of 1, 3 (padded to 4) and 6 (padded to 8) requests, then n=2 sampled.
@@ -76,17 +78,24 @@ def _decode(prompts, eager: bool, model: str | None = None):
 PROMPTS = [[1653 + 7 * i, 260, 2388 + i, 38798, 618][: 2 + i % 4] * (1 + i) for i in range(6)]
 
 
-def test_engine_replays_decode_graphs_token_for_token():
-    """The default model (GGUF, kept quantized): every op of its forward is a native call."""
-    eager, none = _decode(PROMPTS, eager=True)
-    replayed, sizes = _decode(PROMPTS, eager=False)
+@pytest.mark.parametrize("arch", ["default", "llama", "qwen2", "qwen3"])
+def test_engine_replays_decode_graphs_token_for_token(arch, tiny):
+    """The default model (GGUF kept quantized: native matmuls) and float checkpoints (torch
+    matmuls recorded as calls; Qwen2's biases and tied head, Qwen3's per-head q/k norms on
+    strided views): replayed steps decode exactly as eager ones."""
+    model = None if arch == "default" else tiny(arch)
+    prompts = PROMPTS if arch == "default" else [[t % 300 for t in p] for p in PROMPTS]
+    eager, none = _decode(prompts, eager=True, model=model)
+    replayed, sizes = _decode(prompts, eager=False, model=model)
     assert none == [] and sizes == [1, 2, 4, 8]
     assert replayed == eager
 
 
-def test_a_forward_that_is_not_native_runs_eagerly(tiny_llama):
-    # A float checkpoint's projections are torch matmuls: the capture is refused.
-    prompts = [[p % 300 for p in prompt] for prompt in PROMPTS]
-    eager, _ = _decode(prompts, eager=True, model=tiny_llama)
-    refused, sizes = _decode(prompts, eager=False, model=tiny_llama)
+def test_a_forward_that_is_not_native_runs_eagerly(tiny):
+    # A bfloat16 model: the native layer ops take float32, so its norms are torch ops and the
+    # capture is refused; steps run eagerly.
+    model = tiny("llama")
+    prompts = [[t % 300 for t in p] for p in PROMPTS]
+    eager, _ = _decode(prompts, eager=True, model=model, dtype="bfloat16")
+    refused, sizes = _decode(prompts, eager=False, model=model, dtype="bfloat16")
     assert sizes == [] and refused == eager

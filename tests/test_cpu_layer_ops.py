@@ -48,9 +48,19 @@ def test_rms_norm_layer_takes_the_native_op_unless_configured_off():
     b, rb = plain.forward_with_residual(x.clone(), residual)
     _close(a, b)
     assert torch.equal(ra, rb)
-    # A strided input (rows not evenly spaced) takes the torch ops, with the same result.
-    wide = torch.randn(4, 3, 64)[:, ::2]
-    _close(native(wide), plain(wide))
+    # The heads of q in a fused qkv output (Qwen3's per-head norm): tokens strided, heads not.
+    qkv = torch.randn(5, (4 + 2 * 2) * 64)
+    q = qkv[:, : 4 * 64].view(5, 4, 64)
+    assert layer_ops.rows_of(q) is None and layer_ops.norm_rows(q) == (64, 4, qkv.stride(0))
+    _close(native(q), plain(q))
+    # Every other head (two strides) is rows too; every other element is not, and goes to the
+    # torch ops, with the same result.
+    every_other = torch.randn(4, 3, 64)[:, ::2]
+    assert layer_ops.norm_rows(every_other) == (128, 2, 192)
+    _close(native(every_other), plain(every_other))
+    strided = torch.randn(4, 128)[:, ::2]
+    assert layer_ops.norm_rows(strided) is None
+    _close(native(strided), plain(strided))
 
 
 @pytest.mark.parametrize("rotary_dim", [64, 32])

@@ -175,3 +175,25 @@ def test_a_source_tree_without_distribution_metadata_uses_the_cache(loads, tmp_p
     tokens, _ = _run()
     assert loads == [False] and len(_entries(tmp_path)) == 1
     assert _run()[0] == tokens and loads == [False, True]
+
+
+def test_the_methods_compute_form_is_part_of_the_key(tmp_path, monkeypatch):
+    """A CPU with the native kernel and one without never share an entry (each would refuse
+    the other's and rewrite it)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ember.default_model import default_model_path
+
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    cfg = SimpleNamespace(load_format="auto", is_gguf=True, path=default_model_path(),
+                          hf_config=SimpleNamespace(num_hidden_layers=2))
+    method = gguf_method.GGUFQuantization()
+    cpu = torch.device("cpu")
+    keys = set()
+    for native in (True, False):
+        monkeypatch.setattr(gguf_method, "_native_kernel", lambda native=native: native)
+        assert method.snapshot_variant(cpu) == ("native" if native else "")
+        keys.add(snapshot_cache.entry_dir(cfg, method, object, torch.float32, cpu))
+    assert len(keys) == 2 and None not in keys

@@ -171,7 +171,7 @@ def _structured_manager(llm):
     """The engine core's StructuredOutputManager, whose accepts can be deferred (async
     scheduling with deferred sampling) for the A/B."""
     core = llm.llm_engine.engine_core
-    if not core._defer_grammar_sampling:
+    if not core.defers_grammar_sampling:
         raise SystemExit("--ab-deferred-accepts needs async scheduling (--async-scheduling)")
     return core.structured_output
 

@@ -154,6 +154,12 @@ class EngineCore(EngineCoreControl):
                 or self.scheduler.has_unfinished_requests())
 
     # ---- stepping ----------------------------------------------------------------------
+    @property
+    def defers_grammar_sampling(self) -> bool:
+        """Whether a step with grammar rows samples once its bitmask is filled, while its
+        forward runs (async scheduling with an in-process runner), instead of before."""
+        return self._defer_grammar_sampling
+
     def step(self) -> EngineCoreOutputs:
         """Plan and run one step; with async scheduling the outputs are the previous step's,
         folded in while this one runs on the device."""

@@ -35,6 +35,7 @@ from torch import nn
 
 from ember import kernels
 from ember.kernels import dispatch
+from ember.kernels.cpu import native
 from ember.kernels.tuning import SMALL_BATCH_LINEAR_MAX_ROWS
 
 # 64 MB in bf16: an 8B model's qkv and o_proj take the kernel at every batch up to 16.
@@ -125,6 +126,14 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] <= layer.small_batch_max_rows and x.dim() == 2 and dispatch.takes_kernel(x):
             return kernels.small_batch_linear.small_batch_linear(x, layer.weight, bias)
+        if native.capturing() and x.dim() == 2:
+            # A CPU decode graph is being captured: the same matmul (F.linear's own kernels),
+            # written into an output the graph keeps, so that replays run it.
+            weight = layer.weight
+            y = x.new_empty(x.shape[0], weight.shape[0])
+            if bias is None:
+                return native.torch_call(torch.mm, (x, weight.t()), y, (x, weight))
+            return native.torch_call(torch.addmm, (bias, x, weight.t()), y, (x, weight, bias))
         return F.linear(x, layer.weight, bias)
 
 

@@ -56,7 +56,8 @@ class RMSNorm(nn.Module):
                 q, scale, h = kernels.rms_norm.rms_norm_fp8(x, self.weight, self.eps, residual)
                 return QuantizedActivation(q, scale), h
             return kernels.rms_norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if self._takes_cpu_ops(x) and layer_ops.rows_of(residual) is not None:
+        if (self._takes_cpu_ops(x) and layer_ops.rows_of(x) is not None
+                and layer_ops.rows_of(residual) is not None):
             return layer_ops.rms_norm(x, self.weight, self.eps, residual), x
         # In place, as the decoder always did (branch.add_(residual)): no extra allocation.
         h = x.add_(residual)
@@ -64,7 +65,7 @@ class RMSNorm(nn.Module):
 
     def _takes_cpu_ops(self, x: torch.Tensor) -> bool:
         return (self.use_cpu_ops and self.weight.dtype == torch.float32
-                and layer_ops.takes(x) and layer_ops.rows_of(x) is not None)
+                and layer_ops.takes(x) and layer_ops.norm_rows(x) is not None)
 
     def _quantizes_for(self, layer: Linear | None, x: torch.Tensor) -> bool:
         return self.quantized_producer and wants_fp8_input(layer, x)

@@ -90,6 +90,11 @@ class QuantizationMethod:
                          tensors: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
 
+    def snapshot_variant(self, device: torch.device) -> str:
+        """What else decides the snapshot's form on ``device`` (the kernel the layers will run
+        on, say): part of the cache key, so machines that share a cache never trade entries."""
+        return ""
+
     @property
     def offers_snapshots(self) -> bool:
         """Whether this method overrides ``snapshot_recipe`` (the cache skips the others)."""

@@ -83,6 +83,10 @@ class GGUFQuantization(QuantizationMethod):
 
         return keep_quantized()
 
+    def snapshot_variant(self, device: torch.device) -> str:
+        """The CPU's compute form: the native kernel's blocks, or torch's int4 packing."""
+        return "native" if device.type == "cpu" and _native_kernel() else ""
+
     def snapshot_recipe(self, model: nn.Module) -> dict[str, Any] | None:
         """On the CPU, where decoding the blocks and packing the 4-bit layers is most of a small
         model's load: each layer's parts (rows, kind, meta, buffer names) and the 8-bit head's

@@ -12,7 +12,8 @@ from that file (~0.1-0.3 s).
 An entry is keyed by everything that decides what the work produces: the file (path, size,
 mtime), the model class and its resolved config (``hf_overrides`` included), the method, dtype
 and device type, and the torch and ember versions with the CPU's instruction set (torch's int4
-packing is ISA-specific). An entry that cannot be written or read is skipped and the checkpoint
+packing is ISA-specific) and the method's ``snapshot_variant`` (gguf: whether the native kernel
+runs here). An entry that cannot be written or read is skipped and the checkpoint
 loads as before: the cache never raises an error. The entries together stay under
 ``MAX_BYTES``: a save removes the least recently used ones beyond it (a load marks its entry
 used).
@@ -69,7 +70,7 @@ def entry_dir(cfg: ModelConfig, method: QuantizationMethod, model_cls: type,
         # ember's own version, not the installed distribution's: a source tree on PYTHONPATH
         # has no distribution metadata (importlib.metadata would raise PackageNotFoundError).
         device.type, torch.__version__, ember.__version__,
-        torch.backends.cpu.get_cpu_capability(),
+        torch.backends.cpu.get_cpu_capability(), method.snapshot_variant(device),
     )))
     return os.path.join(root, "quantized-models", hashlib.sha256(key.encode()).hexdigest()[:32])
 

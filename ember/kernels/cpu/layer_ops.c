@@ -38,13 +38,15 @@ static inline float fast_exp(float v) {
     return p * scale;
 }
 
-/* out[r] = w * (h * rsqrt(mean(h^2) + eps)) with h = x[r] (+ residual[r], written to x[r]). */
-void ember_rms_norm(float *x, int64_t x_stride, const float *residual, int64_t res_stride,
-                    const float *weight, float *out, int64_t out_stride, int64_t rows,
-                    int64_t dim, float eps, int threads) {
+/* out[r] = w * (h * rsqrt(mean(h^2) + eps)) with h = x[r] (+ residual[r], written to x[r]).
+ * Row r of x starts at (r / inner) * outer_stride + (r % inner) * x_stride: the heads of a
+ * strided [tokens, heads, dim] view (inner = heads) as well as plain rows (inner = rows). */
+void ember_rms_norm(float *x, int64_t x_stride, int64_t inner, int64_t outer_stride,
+                    const float *residual, int64_t res_stride, const float *weight, float *out,
+                    int64_t out_stride, int64_t rows, int64_t dim, float eps, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * dim >= 65536)
     for (int64_t r = 0; r < rows; r++) {
-        float *h = x + r * x_stride;
+        float *h = x + (r / inner) * outer_stride + (r % inner) * x_stride;
         float *o = out + r * out_stride;
         float sum = 0.0f;
         if (residual) {

@@ -36,7 +36,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> str:
 def _load(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     signatures = {
-        "ember_rms_norm": (None, [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F, _INT]),
+        "ember_rms_norm": (None, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F,
+                                  _INT]),
         "ember_rotary": (None, [_P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P,
                                  _INT]),
         "ember_silu_and_mul": (None, [_P, _I64, _P, _I64, _I64, _I64, _INT]),
@@ -95,19 +96,35 @@ def rows_of(x: torch.Tensor) -> int | None:
     return stride
 
 
+def norm_rows(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """(row stride, rows per outer step, outer stride) of x seen as rows of its last dim: its
+    ``rows_of`` rows, or the heads of a [tokens, heads, dim] view whose tokens are strided (the
+    q and k of a fused qkv output); None for another layout."""
+    stride = rows_of(x)
+    if stride is not None:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return stride, max(rows, 1), 0
+    if x.dim() == 3 and x.stride(2) == 1:
+        return x.stride(1), max(x.shape[1], 1), x.stride(0)
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """weight * (h * rsqrt(mean(h^2) + eps)) with h = x, or x + residual (then written into x,
-    as ``x.add_(residual)`` would). x (and residual) must have ``rows_of`` strides."""
+    as ``x.add_(residual)`` would), as a new contiguous tensor. x must have ``norm_rows``
+    strides, a residual ``rows_of`` strides and x's shape (x then has ``rows_of`` strides)."""
     dim = x.shape[-1]
     rows = x.numel() // dim if dim else 0
     out = torch.empty(x.shape, dtype=torch.float32)
     if rows:
+        row_stride, inner, outer_stride = norm_rows(x)
         res_ptr, res_stride = (None, 0) if residual is None else (
             residual.data_ptr(), rows_of(residual))
         native.call(library().ember_rms_norm,
-                    (x.data_ptr(), rows_of(x), res_ptr, res_stride, weight.data_ptr(),
-                     out.data_ptr(), dim, rows, dim, eps, torch.get_num_threads()),
+                    (x.data_ptr(), row_stride, inner, outer_stride, res_ptr, res_stride,
+                     weight.data_ptr(), out.data_ptr(), dim, rows, dim, eps,
+                     torch.get_num_threads()),
                     (x, residual, weight, out))
     return out
 

@@ -118,6 +118,40 @@ _ALLOWED = frozenset({
 })
 
 
+def capturing() -> bool:
+    """Whether a capture is recording now (on this process's one engine thread)."""
+    return _recording is not None
+
+
+def torch_call(fn: Callable[..., Any], args: tuple[Any, ...], out: Any,
+               tensors: tuple[Any, ...]) -> Any:
+    """``fn(*args, out=out)``: a torch op that writes a preallocated output, recorded as a call
+    of the capture (let through its op check, replayed like a native call). For work with no
+    native call that a torch kernel does well, such as a float matmul."""
+    global _passthrough
+    if _recording is not None:
+        _recording.calls.append((_TorchCall(fn, out), args))
+        _recording.tensors.extend((*tensors, out))
+    _passthrough = True
+    try:
+        return fn(*args, out=out)
+    finally:
+        _passthrough = False
+
+
+class _TorchCall:
+    """A recorded torch op: called as the native calls are, returning None (not a status)."""
+
+    def __init__(self, fn: Callable[..., Any], out: Any) -> None:
+        self.fn, self.out, self.__name__ = fn, out, getattr(fn, "__name__", "torch op")
+
+    def __call__(self, *args: Any) -> None:
+        self.fn(*args, out=self.out)
+
+
+_passthrough = False
+
+
 def _refuse_compute_ops():  # type: ignore[no-untyped-def]
     """A torch function mode that lets allocations, views and metadata reads through and
     refuses any other torch call (its work would not be in the replay). A function mode, not
@@ -127,6 +161,8 @@ def _refuse_compute_ops():  # type: ignore[no-untyped-def]
 
     class RefuseComputeOps(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if _passthrough:
+                return func(*args, **(kwargs or {}))
             name = getattr(func, "__name__", "")
             basic_index = name == "__getitem__" and not any(
                 isinstance(i, torch.Tensor)

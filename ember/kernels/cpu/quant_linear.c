@@ -90,8 +90,10 @@ static uint16_t to_bf16(float f) {
 /* x rounded to bfloat16 into xb [rows, k] (contiguous), and each row's sum of it over each
  * group (float32, in input order) into sums [rows, groups]. */
 static void round_and_sum(const float *x, int64_t x_stride, int rows, int k, uint16_t *xb,
-                          float *sums) {
+                          float *sums, int threads) {
     int groups = k / GROUP;
+    /* Rows are independent: the threads split them once there are enough to pay for it. */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= 64)
     for (int i = 0; i < rows; i++) {
         for (int j = 0; j < k; j++) xb[(int64_t)i * k + j] = to_bf16(x[i * x_stride + j]);
         for (int g = 0; g < groups; g++) {
@@ -255,7 +257,7 @@ int ember_quant_linear(const float *x, int64_t x_stride, const uint8_t *blocks, 
         free(bufs);
         return -1;
     }
-    round_and_sum(x, x_stride, rows, k, xb, sums);
+    round_and_sum(x, x_stride, rows, k, xb, sums, threads);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles > 1)
     for (int t = 0; t < tiles; t++) {
         uint16_t *buf = (uint16_t *)(bufs + buf_stride * (size_t)omp_get_thread_num());
