@@ -131,7 +131,11 @@ def kv_cache_num_blocks(args: EngineArgs, platform: Platform, runner: ModelRunne
 def captures_graphs(args: EngineArgs, platform: Platform,
                     attn_backend: type[AttentionBackend]) -> bool:
     """Decode graphs need a platform that captures them and a graph-safe backend."""
-    # Pipeline stages exchange activations with point-to-point sends, kept out of graphs.
+    # Pipeline stages exchange activations with point-to-point sends, kept out of graphs. On the
+    # host a compiled model serves every step (its warm-up compiles the one-token graph too,
+    # which decode graphs would leave to the first one-token prompt).
+    if args.compile_model and platform.device_is_host():
+        return False
     return (not args.enforce_eager and platform.supports_cuda_graphs
             and (attn_backend.supports_cuda_graphs or platform.graph_capture_checks_work)
             and args.pipeline_parallel_size == 1)
