@@ -111,13 +111,16 @@ class GraphRunner:
         start = time.perf_counter()
         self.seq_lens.fill_(1)  # capture-time values: every row reads one (junk) key
         pool = platform.graph_memory_pool()
+        host = platform.device_is_host()
         with _collector_paused():
             try:
                 for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
                     metadata = self._metadata(bs, max_len, [1] * bs, bs)
                     ctx = ForwardContext(attn_metadata=metadata, kv_caches=runner.kv_caches)
                     args = (self.input_ids[:bs], self.positions[:bs], ctx)
-                    runner.model(*args)  # warm-up: compiles kernels, fills lazy caches
+                    if not host or bs == self.sizes[-1]:
+                        # Warm-up: compiles kernels (per size on a GPU), fills lazy caches.
+                        runner.model(*args)
                     platform.synchronize()
                     self.graphs[bs], self.outputs[bs] = platform.capture_graph(
                         lambda args=args: runner.model(*args), pool
