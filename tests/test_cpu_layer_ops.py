@@ -128,9 +128,10 @@ def _reference_decode(q, cache, table, seq_lens, scale, window, cap):
 
 @pytest.mark.parametrize("window,cap", [(None, None), (20, None), (None, 30.0)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_reads_the_paged_cache_directly(window, cap, threads):
+@pytest.mark.parametrize("d", [64, 24])  # 16 keys reduced together (AVX-512), or one by one
+def test_decode_attention_reads_the_paged_cache_directly(window, cap, threads, d):
     torch.manual_seed(0)
-    bs, nb, kvh, d, hq = 16, 40, 3, 64, 9
+    bs, nb, kvh, hq = 16, 40, 3, 9
     cache = torch.randn(2, nb, bs, kvh, d)
     seq_lens = torch.tensor([37, 1, 100, 0, 64], dtype=torch.int32)
     table = torch.randperm(nb)[:40].view(5, 8).int()

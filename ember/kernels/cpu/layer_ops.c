@@ -18,6 +18,9 @@
 #include <stdlib.h>
 #include <omp.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 /* exp(v) to ~1 ulp in branch-free C that the compiler vectorizes (glibc's expf is not, without
  * -ffast-math): 2^n * p(r), n = round(v / ln 2), r = v - n ln 2 in two parts, p of degree 6. */
@@ -126,6 +129,62 @@ void ember_store_kv(const float *key, int64_t k_stride, const float *value, int6
     }
 }
 
+#ifdef __AVX512F__
+/* The lane sums of 16 vectors as one vector (element j = the sum of a[j]), by a transpose tree:
+ * ~3 instructions a vector instead of a horizontal sum's ~8. */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per lane: the lane sums of a[4i..4i+3] */
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                              _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
+                              _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+/* The scores of `rows` query heads (q, rows x d, d a multiple of 16) over keys start..seq-1,
+ * 16 keys at a time: each key's dot in a vector of 16 partial sums, the 16 reduced together.
+ * A key's sum runs in the same order wherever it falls, so a score does not depend on the
+ * batch. */
+static inline __attribute__((always_inline)) void scores_avx512(
+    const float *restrict q, const float *restrict kc, const int32_t *restrict table,
+    int64_t block_size, int64_t token_stride, int64_t start, int64_t seq, int64_t rows,
+    int64_t group, int64_t d, float scale, float *restrict scores) {
+    const int64_t len = seq - start;
+    const float *keys[16];
+    int64_t block = start / block_size, in_block = start % block_size;
+    for (int64_t t0 = start; t0 < seq; t0 += 16) {
+        const int n = seq - t0 < 16 ? (int)(seq - t0) : 16;
+        for (int j = 0; j < n; j++) {  /* walk the block table, no division a key */
+            keys[j] = kc + ((int64_t)table[block] * block_size + in_block) * token_stride;
+            if (++in_block == block_size) {
+                in_block = 0;
+                block++;
+            }
+        }
+        for (int j = n; j < 16; j++) keys[j] = keys[0];  /* padding: computed, not stored */
+        for (int64_t h = 0; h < rows; h++) {
+            const float *restrict qh = q + h * d;
+            const int64_t off = (h / group) * d;
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < d; c += 16) {
+                const __m512 qv = _mm512_loadu_ps(qh + c);
+                for (int j = 0; j < 16; j++)
+                    acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[j] + off + c), acc[j]);
+            }
+            _mm512_mask_storeu_ps(scores + h * len + (t0 - start), (__mmask16)((1u << n) - 1u),
+                                  _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+        }
+    }
+}
+#endif
+
 /* One request's kv heads kv0..kv0+nkv-1: their queries (q, nkv * group rows of d, local) over
  * keys start..seq-1, into o. Each key row is read once, for all the heads (front to back, as
  * the cache lays them out). scores holds nkv * group * (seq - start) floats, acc the sums. The
@@ -137,6 +196,12 @@ static inline __attribute__((always_inline)) void attend_heads(
     int64_t seq, int64_t nkv, int64_t group, int64_t d, float scale, float soft_cap,
     float *restrict scores, float *restrict acc, float *restrict o) {
     const int64_t len = seq - start, rows = nkv * group;
+#ifdef __AVX512F__
+    if (d % 16 == 0) {
+        scores_avx512(q, kc, table, block_size, token_stride, start, seq, rows, group, d, scale,
+                      scores);
+    } else
+#endif
     for (int64_t t = start; t < seq;) {
         const int64_t in_block = t % block_size;
         const int64_t n = (block_size - in_block < seq - t) ? block_size - in_block : seq - t;
