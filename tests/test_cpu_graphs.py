@@ -46,6 +46,18 @@ def test_capture_refuses_torch_work_and_names_it():
     assert native._recording is None  # a refused capture leaves no recorder behind
 
 
+def test_capture_refuses_a_tensor_parallel_collective(monkeypatch):
+    # torch.distributed's collectives pass no torch function mode: refused by name instead.
+    from ember.distributed import communicator
+    from ember.distributed import parallel_state as ps
+
+    monkeypatch.setattr(ps, "get_tp_size", lambda: 2)
+    x = torch.randn(2, 4)
+    for collective in (communicator.tp_all_reduce, communicator.tp_all_gather):
+        with pytest.raises(native.CaptureRefused, match="tensor-parallel collective"):
+            native.capture(lambda collective=collective: collective(x))
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     def make(arch: str) -> str:

@@ -79,13 +79,24 @@ class Communicator:
         return int(t.item())
 
 
+def _refuse_native_capture() -> None:
+    """A collective cannot be recorded as a CPU graph's native call (ember.kernels.cpu.native):
+    a capture that reaches one is refused, and the steps run eagerly."""
+    from ember.kernels.cpu import native
+
+    if native.capturing():
+        raise native.CaptureRefused("a tensor-parallel collective is not a native call")
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if ps.get_tp_size() == 1:
         return x
+    _refuse_native_capture()
     return ps.get_comm().all_reduce(x)
 
 
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if ps.get_tp_size() == 1:
         return x
+    _refuse_native_capture()
     return ps.get_comm().all_gather(x, dim)
