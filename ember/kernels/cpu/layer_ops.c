@@ -168,6 +168,21 @@ static inline __attribute__((always_inline)) void scores_avx512(
             }
         }
         for (int j = n; j < 16; j++) keys[j] = keys[0];  /* padding: computed, not stored */
+        {   /* The next 16 keys' rows toward the cache while these are multiplied: the blocks
+             * lie anywhere in memory, where the hardware prefetcher does not follow. */
+            int64_t b = block, o = in_block;
+            const int64_t ahead = seq - (t0 + n) < 16 ? seq - (t0 + n) : 16;
+            for (int64_t j = 0; j < ahead; j++) {
+                const char *row = (const char *)(kc + ((int64_t)table[b] * block_size + o)
+                                                          * token_stride);
+                for (int64_t line = 0; line < (rows / group) * d * 4; line += 64)
+                    __builtin_prefetch(row + line);
+                if (++o == block_size) {
+                    o = 0;
+                    b++;
+                }
+            }
+        }
         for (int64_t h = 0; h < rows; h++) {
             const float *restrict qh = q + h * d;
             const int64_t off = (h / group) * d;
@@ -239,6 +254,14 @@ static inline __attribute__((always_inline)) void attend_heads(
         const int64_t n = (block_size - in_block < seq - t) ? block_size - in_block : seq - t;
         const float *restrict v = vc + ((int64_t)table[t / block_size] * block_size + in_block)
                                            * token_stride;
+        if (t + n < seq) {  /* the next block's rows of these heads, as for the keys */
+            const char *next = (const char *)(vc + (int64_t)table[(t + n) / block_size]
+                                                       * block_size * token_stride);
+            const int64_t count = seq - (t + n) < block_size ? seq - (t + n) : block_size;
+            for (int64_t j = 0; j < count; j++)
+                for (int64_t line = 0; line < (rows / group) * d * 4; line += 64)
+                    __builtin_prefetch(next + j * token_stride * 4 + line);
+        }
         for (int64_t j = 0; j < n; j++, v += token_stride) {
             for (int64_t h = 0; h < rows; h++) {
                 const float p = scores[h * len + (t + j - start)];
