@@ -16,52 +16,31 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
 
 from ember.kernels.config import kernel_config
 from ember.kernels.cpu import native
 
-logger = logging.getLogger("ember")
-
 _FLAGS = ("-ffp-contract=off", "-fno-math-errno", "-lm")
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-
-
-def build(extra_flags: tuple[str, ...] = ()) -> str:
-    return native.build("layer_ops.c", _FLAGS + extra_flags)
-
-
-def _load(path: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(path)
-    signatures = {
-        "ember_rms_norm": (None, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F,
-                                  _INT]),
-        "ember_rotary": (None, [_P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P,
-                                 _INT]),
-        "ember_silu_and_mul": (None, [_P, _I64, _P, _I64, _I64, _I64, _INT]),
-        "ember_store_kv": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64]),
-        "ember_embedding": (None, [_P, _I64, _I64, _P, _I64, _P]),
-        "ember_cos_sin": (None, [_P, _I64, _P, _I64, _F, _P, _P]),
-        "ember_decode_attention": (_INT, [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64,
-                                          _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F,
-                                          _I64, _F, _INT]),
-    }
-    for name, (restype, argtypes) in signatures.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
+_SIGNATURES: native.Signatures = {
+    "ember_rms_norm": (None, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F, _INT]),
+    "ember_rotary": (None, [_P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT]),
+    "ember_silu_and_mul": (None, [_P, _I64, _P, _I64, _I64, _I64, _INT]),
+    "ember_store_kv": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64]),
+    "ember_embedding": (None, [_P, _I64, _I64, _P, _I64, _P]),
+    "ember_cos_sin": (None, [_P, _I64, _P, _I64, _F, _P, _P]),
+    "ember_decode_attention": (_INT, [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64,
+                                      _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F, _I64, _F,
+                                      _INT]),
+}
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built library, or None (logged once) where it cannot be built."""
-    try:
-        return _load(build())
-    except (RuntimeError, OSError) as exc:
-        logger.info("the native CPU layer ops are not available (%s): torch's ops are used", exc)
-        return None
+    return native.load("layer_ops.c", _SIGNATURES, _FLAGS, "torch's ops are used")
 
 
 def configured() -> bool:

@@ -9,6 +9,7 @@ graphs, which skip the Python of the layers as CUDA graphs skip the kernel launc
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -72,6 +73,30 @@ def build(source_name: str, extra_flags: tuple[str, ...] = ()) -> str:
     logger.info("built the native CPU kernels of %s in %.1f s (%s)", source_name,
                 time.perf_counter() - start, path)
     return path
+
+
+Signatures = dict[str, tuple[Any, list[Any]]]  # function name -> (restype, argtypes)
+
+
+def open_library(path: str, signatures: Signatures) -> ctypes.CDLL:
+    """The built library at ``path`` with each function's ctypes signature set."""
+    lib = ctypes.CDLL(path)
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def load(source_name: str, signatures: Signatures, extra_flags: tuple[str, ...] = (),
+         fallback: str = "") -> ctypes.CDLL | None:
+    """``source_name`` built (or taken from the cache) and opened, or None where it cannot be
+    (no compiler, a compile error), logged once with what runs instead (``fallback``)."""
+    try:
+        return open_library(build(source_name, extra_flags), signatures)
+    except (RuntimeError, OSError) as exc:
+        logger.info("the native CPU kernels of %s are not available (%s): %s", source_name, exc,
+                    fallback)
+        return None
 
 
 # ---- replaying a forward's native calls (the CPU's decode graphs) ----------------------------

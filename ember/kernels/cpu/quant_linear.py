@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
 
 from ember.kernels.cpu import native
-
-logger = logging.getLogger("ember")
 
 TILE, GROUP, HEADER_BYTES = 16, 32, 64
 
@@ -36,25 +33,23 @@ def build(extra_flags: tuple[str, ...] = ()) -> str:
     return native.build("quant_linear.c", extra_flags)
 
 
+_SIGNATURES: native.Signatures = {
+    "ember_quant_linear": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                          ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                          ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]),
+    "ember_quant_native": (ctypes.c_int, []),
+}
+
+
 def _load(path: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(path)
-    lib.ember_quant_linear.restype = ctypes.c_int
-    lib.ember_quant_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                       ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
-                                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.ember_quant_native.restype = ctypes.c_int
-    return lib
+    return native.open_library(path, _SIGNATURES)
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None (logged once) where it cannot be built."""
-    try:
-        return _load(build())
-    except (RuntimeError, OSError) as exc:
-        logger.info("the native quantized CPU kernel is not available (%s): torch's int4 and "
-                    "int8 matmuls are used", exc)
-        return None
+    return native.load("quant_linear.c", _SIGNATURES,
+                       fallback="torch's int4 and int8 matmuls are used")
 
 
 def available() -> bool:
