@@ -193,11 +193,6 @@ def _attend(
     return torch.matmul(s.softmax(-1).to(v.dtype), v)
 
 
-def _heads_contiguous(t: torch.Tensor) -> bool:
-    """[tokens, heads, D] with each token's heads side by side (rows may be strided)."""
-    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
-
-
 class SdpaImpl(AttentionImpl):
     """Paged attention through ``torch.nn.functional.scaled_dot_product_attention``."""
 
@@ -210,8 +205,8 @@ class SdpaImpl(AttentionImpl):
                     kv_cache: torch.Tensor) -> bool:
         """This layer's tensors as the native ops take them (the step's part: SdpaPlan)."""
         return (key.dtype == value.dtype == kv_cache.dtype == torch.float32
-                and kv_cache.is_contiguous() and _heads_contiguous(query)
-                and _heads_contiguous(key) and _heads_contiguous(value))
+                and kv_cache.is_contiguous() and layer_ops.heads_contiguous(query)
+                and layer_ops.heads_contiguous(key) and layer_ops.heads_contiguous(value))
 
     def forward(
         self,

@@ -114,7 +114,8 @@ class GraphRunner:
         host = platform.device_is_host()
         with _collector_paused():
             try:
-                for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+                # Largest first: on a GPU smaller graphs reuse its memory pool.
+                for bs in reversed(self.sizes):
                     metadata = self._metadata(bs, max_len, [1] * bs, bs)
                     ctx = ForwardContext(attn_metadata=metadata, kv_caches=runner.kv_caches)
                     args = (self.input_ids[:bs], self.positions[:bs], ctx)

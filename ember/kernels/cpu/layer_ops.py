@@ -121,10 +121,15 @@ def rotary_inplace(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
                     (q, k, cos, sin))
 
 
+def heads_contiguous(x: torch.Tensor) -> bool:
+    """x [tokens, heads, D] with each token's heads side by side (its rows may be strided):
+    the layout rotary and the attention ops take."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def rotary_fits(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether ``rotary_inplace`` takes x [T, heads, head_size] with cos [T, 1, half]."""
-    return (x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-            and cos.dtype == torch.float32 and cos.is_contiguous())
+    return heads_contiguous(x) and cos.dtype == torch.float32 and cos.is_contiguous()
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
