@@ -179,10 +179,12 @@ def test_a_source_tree_without_distribution_metadata_uses_the_cache(loads, tmp_p
 
 def test_the_methods_compute_form_is_part_of_the_key(tmp_path, monkeypatch):
     """A CPU with the native kernel and one without never share an entry (each would refuse
-    the other's and rewrite it)."""
+    the other's and rewrite it); the native blocks' layout is named in it."""
     from types import SimpleNamespace
 
     import torch
+
+    from ember.kernels.cpu import quant_linear as native_kernel
 
     from ember.default_model import default_model_path
 
@@ -194,6 +196,6 @@ def test_the_methods_compute_form_is_part_of_the_key(tmp_path, monkeypatch):
     keys = set()
     for native in (True, False):
         monkeypatch.setattr(gguf_method, "_native_kernel", lambda native=native: native)
-        assert method.snapshot_variant(cpu) == ("native" if native else "")
+        assert method.snapshot_variant(cpu) == (f"native-{native_kernel.LAYOUT}" if native else "")
         keys.add(snapshot_cache.entry_dir(cfg, method, object, torch.float32, cpu))
     assert len(keys) == 2 and None not in keys
