@@ -184,9 +184,8 @@ def test_the_methods_compute_form_is_part_of_the_key(tmp_path, monkeypatch):
 
     import torch
 
-    from ember.kernels.cpu import quant_linear as native_kernel
-
     from ember.default_model import default_model_path
+    from ember.kernels.cpu import quant_linear as native_kernel
 
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
     cfg = SimpleNamespace(load_format="auto", is_gguf=True, path=default_model_path(),
