@@ -145,17 +145,24 @@ static void quantize_rows(const float *x, int64_t x_stride, int rows, int k, int
         }
 }
 
-/* One group's codes as 8 chunks of unsigned bytes (chunk c: inputs 4c..4c+3 of each output). */
-static void unpack_group(const uint8_t *codes, int bits, uint8_t *out) {
-    if (bits == 8) {
-        memcpy(out, codes, UNPACKED);
-        return;
-    }
+/* One group's 4-bit codes as 8 chunks of unsigned bytes (chunk c: inputs 4c..4c+3 of each
+ * output), the layout 8-bit codes have in their block. */
+static void unpack_group(const uint8_t *codes, uint8_t *out) {
     for (int c = 0; c < 4; c++)
         for (int j = 0; j < CHUNK; j++) {
             out[c * CHUNK + j] = codes[c * CHUNK + j] & 0x0F;
             out[(c + 4) * CHUNK + j] = codes[c * CHUNK + j] >> 4;
         }
+}
+
+/* Group g's unpacked codes: 8-bit ones as they are in their block; 4-bit ones from the tile
+ * unpacked in buf, or (buf NULL) unpacked now into local. */
+static inline const uint8_t *group_codes(const uint8_t *buf, const uint8_t *block, int g, int bits,
+                                         uint8_t *local) {
+    if (bits == 8) return block + HEADER_BYTES;
+    if (buf) return buf + (size_t)g * UNPACKED;
+    unpack_group(block + HEADER_BYTES, local);
+    return local;
 }
 
 #if !defined(EMBER_VNNI) && !defined(EMBER_AVX2)
@@ -183,38 +190,40 @@ static float from_half(uint16_t h) {
 
 #if defined(EMBER_VNNI)
 
-/* R rows (a constant where inlined) times one tile, group by group: the unpacked tile from buf,
- * or (buf NULL: a single pass of rows) each group unpacked in registers as it comes. */
-static inline void tile_rows(const uint8_t *buf, const uint8_t *blocks, int bits, int block_bytes,
-                             Activations a, float *y, int64_t y_stride, int R, int width) {
+/* Quad c of group g's codes for 16 outputs (64 unsigned bytes): from the tile unpacked in buf,
+ * else from the block (4-bit codes unpacked here: the low nibbles hold quads 0-3, the high
+ * ones 4-7). */
+static inline __attribute__((always_inline)) __m512i quad_codes(const uint8_t *buf,
+                                                                const uint8_t *codes, int g,
+                                                                int c, int bits) {
+    if (bits == 8) return _mm512_loadu_si512((const __m512i *)(codes + c * CHUNK));
+    if (buf) return _mm512_load_si512((const __m512i *)(buf + (size_t)g * UNPACKED + c * CHUNK));
+    __m512i v = _mm512_loadu_si512((const __m512i *)(codes + (c & 3) * CHUNK));
+    if (c >= 4) v = _mm512_srli_epi16(v, 4);
+    return _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+}
+
+/* R rows times one tile, group by group (R and bits constants where inlined, so the loops
+ * unroll and the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void tile_rows(
+        const uint8_t *buf, const uint8_t *blocks, int bits, int block_bytes, Activations a,
+        float *y, int64_t y_stride, int R, int width) {
     __m512 acc[ROWS];
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int g = 0; g < a.groups; g++) {
         const uint8_t *block = blocks + (size_t)g * block_bytes;
-        const uint8_t *codes = block + HEADER_BYTES;
-        __m512i w[QUADS];
-        if (buf) {
-            for (int c = 0; c < QUADS; c++)
-                w[c] = _mm512_load_si512((const __m512i *)(buf + (size_t)g * UNPACKED + c * CHUNK));
-        } else if (bits == 4) {
-            for (int c = 0; c < 4; c++) {
-                __m512i v = _mm512_loadu_si512((const __m512i *)(codes + c * CHUNK));
-                w[c] = _mm512_and_si512(v, nibble);
-                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-            }
-        } else {
-            for (int c = 0; c < QUADS; c++)
-                w[c] = _mm512_loadu_si512((const __m512i *)(codes + c * CHUNK));
-        }
+        const int8_t *gq = a.q + g * GROUP;
         __m512i dot[ROWS];
         for (int i = 0; i < R; i++) dot[i] = _mm512_setzero_si512();
-        for (int c = 0; c < QUADS; c++)
+#pragma GCC unroll 8
+        for (int c = 0; c < QUADS; c++) {
+            __m512i w = quad_codes(buf, block + HEADER_BYTES, g, c, bits);
             for (int i = 0; i < R; i++) {
                 int32_t quad;
-                memcpy(&quad, a.q + i * a.q_stride + g * GROUP + 4 * c, 4);
-                dot[i] = _mm512_dpbusd_epi32(dot[i], w[c], _mm512_set1_epi32(quad));
+                memcpy(&quad, gq + i * a.q_stride + 4 * c, 4);
+                dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(quad));
             }
+        }
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block));
         __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 32)));
         for (int i = 0; i < R; i++) {
@@ -243,8 +252,7 @@ static inline void tile_rows(const uint8_t *buf, const uint8_t *blocks, int bits
         for (int i = 0; i < R; i++) acc[h][i] = _mm256_setzero_ps();
     for (int g = 0; g < a.groups; g++) {
         const uint8_t *block = blocks + (size_t)g * block_bytes;
-        const uint8_t *gw = buf ? buf + (size_t)g * UNPACKED : local;
-        if (!buf) unpack_group(block + HEADER_BYTES, bits, local);
+        const uint8_t *gw = group_codes(buf, block, g, bits, local);
         for (int h = 0; h < 2; h++) {
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16 * h)));
             __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 32 + 16 * h)));
@@ -256,7 +264,7 @@ static inline void tile_rows(const uint8_t *buf, const uint8_t *blocks, int bits
                     for (int c = 0; c < QUADS; c++) {
                         int32_t quad;
                         memcpy(&quad, gq + 4 * c, 4);
-                        __m256i w = _mm256_load_si256((const __m256i *)(gw + c * CHUNK + 32 * h));
+                        __m256i w = _mm256_loadu_si256((const __m256i *)(gw + c * CHUNK + 32 * h));
                         pairs = _mm256_add_epi16(pairs,
                                                  _mm256_maddubs_epi16(w, _mm256_set1_epi32(quad)));
                     }
@@ -267,7 +275,7 @@ static inline void tile_rows(const uint8_t *buf, const uint8_t *blocks, int bits
                         int32_t quad;
                         memcpy(&quad, gq + 4 * c, 4);
                         __m256i w = _mm256_xor_si256(  /* the signed code */
-                            _mm256_load_si256((const __m256i *)(gw + c * CHUNK + 32 * h)), bias);
+                            _mm256_loadu_si256((const __m256i *)(gw + c * CHUNK + 32 * h)), bias);
                         __m256i p = _mm256_maddubs_epi16(
                             _mm256_sign_epi8(w, w), _mm256_sign_epi8(_mm256_set1_epi32(quad), w));
                         dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, ones));
@@ -297,8 +305,7 @@ static inline void tile_rows(const uint8_t *buf, const uint8_t *blocks, int bits
         float acc[TILE] = {0};
         for (int g = 0; g < a.groups; g++) {
             const uint8_t *block = blocks + (size_t)g * block_bytes;
-            const uint8_t *gw = buf ? buf + (size_t)g * UNPACKED : local;
-            if (!buf) unpack_group(block + HEADER_BYTES, bits, local);
+            const uint8_t *gw = group_codes(buf, block, g, bits, local);
             const int8_t *gq = a.q + i * a.q_stride + g * GROUP;
             int at = i * a.groups + g;
             for (int n = 0; n < TILE; n++) {
@@ -320,19 +327,27 @@ static inline void tile_rows(const uint8_t *buf, const uint8_t *blocks, int bits
 
 #endif
 
+/* All rows times one tile, ROWS at a time; every call of tile_rows has constant bits and row
+ * counts, so each is compiled on its own with its loops unrolled. */
 static void tile_all_rows(const uint8_t *buf, const uint8_t *blocks, int bits, int block_bytes,
                           Activations a, float *y, int64_t y_stride, int rows, int width) {
     int i = 0;
     for (; i + ROWS <= rows; i += ROWS) {
-        tile_rows(buf, blocks, bits, block_bytes, a, y + i * y_stride, y_stride, ROWS, width);
+        if (bits == 4)
+            tile_rows(buf, blocks, 4, block_bytes, a, y + i * y_stride, y_stride, ROWS, width);
+        else
+            tile_rows(buf, blocks, 8, block_bytes, a, y + i * y_stride, y_stride, ROWS, width);
         a.q += ROWS * a.q_stride;
         a.scale += ROWS * a.groups;
         a.offset += ROWS * a.groups;
         a.sum += ROWS * a.groups;
     }
-    switch (rows - i) {  /* constant row counts, so each call's loops unroll */
-#define TAIL(r) case r: tile_rows(buf, blocks, bits, block_bytes, a, y + i * y_stride, y_stride, \
-                                  r, width); break;
+    switch ((rows - i) * 2 + (bits == 8)) {
+#define TAIL(r) \
+        case 2 * r: tile_rows(buf, blocks, 4, block_bytes, a, y + i * y_stride, y_stride, r, \
+                              width); break; \
+        case 2 * r + 1: tile_rows(buf, blocks, 8, block_bytes, a, y + i * y_stride, y_stride, r, \
+                                  width); break;
         TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7)
 #undef TAIL
         default: break;
@@ -368,14 +383,15 @@ int ember_quant_linear(const float *x, int64_t x_stride, const uint8_t *blocks, 
         uint8_t *buf = bufs + buf_stride * (size_t)omp_get_thread_num();
         const uint8_t *tile = blocks + (size_t)t * groups * block_bytes;
         int width = n - t * TILE < TILE ? n - t * TILE : TILE;
-        /* One pass of rows unpacks each group as it goes (the codes stay in L1); more passes
-         * unpack the tile once into buf and reuse it. The same arithmetic either way. */
-        int passes = (rows + ROWS - 1) / ROWS;
-        if (passes > 1)
+        /* 4-bit codes: one pass of rows unpacks each group as it goes (the codes stay in L1);
+         * more passes unpack the tile once into buf and reuse it. The same arithmetic either
+         * way. 8-bit codes are read as they are. */
+        int unpack_tile = bits == 4 && rows > ROWS;
+        if (unpack_tile)
             for (int g = 0; g < groups; g++)
-                unpack_group(tile + (size_t)g * block_bytes + HEADER_BYTES, bits,
+                unpack_group(tile + (size_t)g * block_bytes + HEADER_BYTES,
                              buf + (size_t)g * UNPACKED);
-        tile_all_rows(passes > 1 ? buf : NULL, tile, bits, block_bytes, a, y + t * TILE,
+        tile_all_rows(unpack_tile ? buf : NULL, tile, bits, block_bytes, a, y + t * TILE,
                       y_stride, rows, width);
     }
     free(q);
