@@ -160,6 +160,10 @@ def test_engine_sizes(tiny):
     llm.shutdown()
     llm = _llm(tiny, block_size=8, kv_cache_memory_bytes=per_block * 33)
     assert llm.llm_engine.ready.num_blocks == 33
+    # unset, the platform's default (the CPU's: prefill chunks whose activations stay in cache)
+    from ember.platforms.cpu import CpuPlatform
+
+    assert llm.llm_engine.ready.max_num_batched_tokens == CpuPlatform.default_max_num_batched_tokens
     llm.shutdown()
 
 

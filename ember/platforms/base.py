@@ -70,6 +70,9 @@ class Platform:
     graph_capture_checks_work: ClassVar[bool] = False
     # The largest decode batch captured (None: the engine's own limit).
     max_graph_batch_size: ClassVar[int | None] = None
+    # Tokens a step may schedule when max_num_batched_tokens is not given (None: the engine's
+    # own default, 8192).
+    default_max_num_batched_tokens: ClassVar[int | None] = None
     # Whether the engine overlaps scheduling step N+1 with step N's device work by default. Worth
     # it only where the device runs asynchronously from the host (a GPU); on the CPU the forward
     # pass runs on the calling thread, so there is nothing to overlap.

@@ -32,6 +32,10 @@ class CpuPlatform(Platform):
     graph_capture_checks_work: ClassVar[bool] = True
     # Past a few dozen rows a step's work outweighs its Python; each size keeps its own buffers.
     max_graph_batch_size: ClassVar[int | None] = 32
+    # Smaller prefill chunks keep a step's activations in the last-level cache (the default
+    # model's gate/up output is 25 MB at 2,048 tokens, 100 MB at 8,192): the 32-request batch of
+    # docs/benchmarks.md ran ~9% faster. vLLM's CPU backend also defaults to 2,048 for serving.
+    default_max_num_batched_tokens: ClassVar[int | None] = 2048
 
     def graph_memory_pool(self) -> Any:
         return None  # each graph keeps the tensors its calls touch

@@ -176,7 +176,8 @@ def build_worker(args: EngineArgs) -> BuiltWorker:
         if get_world_size() > 1:
             from ember.worker.parallel_runner import ParallelModelRunner as runner_cls
         runner = runner_cls(model_config, attn_backend, platform, model, args.block_size)
-    max_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_tokens = (args.max_num_batched_tokens or platform.default_max_num_batched_tokens
+                  or DEFAULT_MAX_NUM_BATCHED_TOKENS)
     with profile.stage("memory_profile"):
         peak = platform.profile_peak_memory(
             lambda: runner.profile_run(max_tokens, args.max_num_seqs))
