@@ -6,11 +6,10 @@ Loading: the GGUF loader yields each quantized linear weight as its raw blocks
 the fused projection (q/k/v, gate/up), whose types may differ. After loading, consecutive shards
 of one kind are joined and each part gets its compute form:
 
-- on an x86 CPU with AVX512-VNNI or AVX2, every type with groups of 32 (Q4_0, Q4_1, Q4_K in 4
-  bits; Q5_0, Q5_1, Q8_0, Q5_K in 8): ember's native kernel (ember.kernels.cpu.quant_linear,
-  built on first use; activations in 8 bits per group of 32, as llama.cpp's), which reuses each
-  weight across a batch's rows (2-3x torch's int4 matmul at 32-128 rows, and faster at one row
-  too).
+- on a CPU with AVX512-BF16, every type with groups of 32 (Q4_0, Q4_1, Q4_K in 4 bits; Q5_0,
+  Q5_1, Q8_0, Q5_K in 8): ember's native kernel (ember.kernels.cpu.quant_linear, built on first
+  use), which reuses each weight across a batch's rows (1.6-2.0x torch's int4 matmul at 32-128
+  rows, and faster at one row too).
 - elsewhere, 4-bit codes on the CPU: torch's int4 weight-only matmul
   (``_weight_int4pack_mm_for_cpu``, group 32, bfloat16 activations: it has no fast float32
   path), with ``scale_and_zero`` = (scale, min + 8 * scale) so that (q - 8) * s + z = s * q + min.
@@ -290,9 +289,9 @@ def _part_for(weights: list[tuple[Any, torch.Tensor, tuple[int, int]]],
 
 
 def _native_kernel() -> bool:
-    """Whether ember's native quantized CPU kernel runs here on vector instructions (AVX512-VNNI
-    or AVX2; its plain-C build, for other CPUs, is slower than torch's int4 matmul)."""
-    return native.native_simd()
+    """Whether ember's native quantized CPU kernel runs here on AVX512-BF16 (its plain-C build,
+    for CPUs without, is slower than torch's int4 matmul)."""
+    return native.native_bf16()
 
 
 def _float(t: torch.Tensor, qtype: Any, shape: tuple[int, int]) -> torch.Tensor:

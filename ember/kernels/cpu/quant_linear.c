@@ -1,171 +1,50 @@
-/* Quantized linear layers on the CPU: y[M, N] = x[M, K] @ W^T, x float32, W in 4- or 8-bit
- * integer codes c with one scale d and one offset m per 32 inputs (w = d * c + m), y float32.
+/* Quantized linear layers on the CPU: y[M, N] = x[M, K] @ W^T, x float32 (multiplied in
+ * bfloat16, rounded to nearest even as torch rounds), W in 4- or 8-bit integer codes c with one
+ * scale d and one offset m per 32 inputs (w = d * c + m), y float32.
  *
- * x is quantized as llama.cpp quantizes activations for its integer dot products: per row and
- * group of 32 inputs, s = max|x| / 127 and q = round(x * (1 / s)) to nearest even, in [-127, 127]
- * (float32 arithmetic, the same in every build). A group's dot of q with the codes is then an
- * exact integer, whatever instructions sum it, and the group adds
- *     y += d * (dot * s) + m * (s * sum(q))        (two float32 fmas, in this order)
- * to each of its 16 outputs. A row's arithmetic is the same whatever the number of rows or
- * threads, so its result does not depend on the batch it came in, and every build (AVX512-VNNI,
- * AVX2, plain C) gives the same bits.
+ * Layout (made by ember.kernels.cpu.quant_linear.pack): 16 outputs a tile; per tile and group of
+ * 32 inputs one block: d[16] and m[16] as float16 (64 bytes), then the codes, ordered so that
+ * they widen to registers of 32 bfloat16 values in the order AVX512-BF16's dot takes them: for
+ * each of the 16 outputs a pair of adjacent inputs.
+ * - 4 bits (codes 0..15, 320-byte blocks): 8 quads of 32 bytes, quad q holding inputs 4q..4q+3:
+ *   byte j (output j / 2, input 4q + j % 2) has that code in its low nibble and the code of input
+ *   4q + 2 + j % 2 in its high nibble.
+ * - 8 bits (codes -128..127, 576-byte blocks): 16 pairs of 32 bytes, byte j of pair p the code of
+ *   output j / 2, input 2p + j % 2.
  *
- * Layout (made by ember.kernels.cpu.quant_linear.pack): 16 outputs a tile; per tile and group one
- * block: d[16] and m[16] as float16 (64 bytes), then the codes in quads of 4 adjacent inputs per
- * output, the order an integer dot instruction takes them (a 32-bit lane per output):
- * - 4 bits (codes 0..15, 320-byte blocks): 4 chunks of 64 bytes; byte 4n + i of chunk c holds
- *   the code of output n, input 4c + i in its low nibble and of input 16 + 4c + i in its high one.
- * - 8 bits (codes -128..127 stored plus 128, 576-byte blocks): 8 chunks of 64 bytes; byte 4n + i
- *   of chunk c is output n, input 4c + i. (The dot of those unsigned bytes less 128 * sum(q).)
+ * Per tile the codes are widened once into a buffer (exact small integers in bfloat16), then
+ * every row of x, 8 rows at a time, takes each group's dot with them, summed from zero in
+ * float32, and folds it into its 16 outputs as y = fma(dot, d, y), then y = fma(m, sum of the
+ * group's x, y). A row's arithmetic is the same whatever the number of rows, so its result does
+ * not depend on the batch it came in.
  *
- * Per tile the codes are unpacked to 8 chunks of unsigned bytes (inputs 4c..4c+3 in chunk c) once
- * when several passes of rows need them, else group by group as they come.
+ * Without AVX512-BF16 the same arithmetic runs in plain C (the dot's two products are exact in
+ * float32 and added odd then even, as VDPBF16PS does): bit for bit the same results but for
+ * denormals, which the instruction flushes.
  */
-#include <float.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define EMBER_VNNI 1
-#include <immintrin.h>
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#define EMBER_AVX2 1
+#ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
 
 #define TILE 16
 #define GROUP 32
-#define QUADS (GROUP / 4)
+#define PAIRS (GROUP / 2)
 #define HEADER_BYTES 64
-#define CHUNK 64                    /* bytes of one quad for 16 outputs */
-#define UNPACKED (QUADS * CHUNK)    /* bytes of one group's unpacked codes */
 #define ROWS 8
 
-/* 2: AVX512-VNNI, 1: AVX2, 0: plain C. */
 int ember_quant_native(void) {
-#if defined(EMBER_VNNI)
-    return 2;
-#elif defined(EMBER_AVX2)
+#ifdef __AVX512BF16__
     return 1;
 #else
     return 0;
 #endif
 }
 
-/* A row's groups quantized: the codes, and per group the scale s and s * sum(q) (and sum(q)). */
-typedef struct {
-    const int8_t *q;        /* [rows, k] */
-    const float *scale;     /* [rows, groups] */
-    const float *offset;    /* [rows, groups]: s * sum(q), multiplied with the weight's offset */
-    const int32_t *sum;     /* [rows, groups]: sum(q) */
-    int64_t q_stride;       /* k */
-    int groups;
-} Activations;
-
-/* One group of 32 inputs quantized into q; returns sum(q) and sets *scale. A scale below float32's
- * smallest normal (so its inverse could overflow) quantizes the group to zeros. The vector
- * versions do the same float32 steps (the largest magnitude is exact in any order, and the
- * conversion rounds to nearest even as nearbyintf does), so every build gives the same codes. */
-static inline int32_t quantize_group(const float *x, int8_t *q, float *scale) {
-#if defined(EMBER_VNNI)
-    const __m512 sign = _mm512_set1_ps(-0.0f);
-    __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
-    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo),
-                                                    _mm512_andnot_ps(sign, hi)));
-#elif defined(EMBER_AVX2)
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 v[4], top = _mm256_setzero_ps();
-    for (int j = 0; j < 4; j++) {
-        v[j] = _mm256_loadu_ps(x + 8 * j);
-        top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[j]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    float amax = _mm_cvtss_f32(m4);
-#else
-    float amax = 0.0f;
-    for (int j = 0; j < GROUP; j++) amax = fmaxf(amax, fabsf(x[j]));
-#endif
-    float s = amax / 127.0f;
-    float inverse = s >= FLT_MIN ? 1.0f / s : 0.0f;
-    *scale = s;
-#if defined(EMBER_VNNI)
-    const __m512i bound = _mm512_set1_epi32(127);
-    __m512 f = _mm512_set1_ps(inverse);
-    __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(lo, f));
-    __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(hi, f));
-    a = _mm512_max_epi32(_mm512_min_epi32(a, bound), _mm512_sub_epi32(_mm512_setzero_si512(), bound));
-    b = _mm512_max_epi32(_mm512_min_epi32(b, bound), _mm512_sub_epi32(_mm512_setzero_si512(), bound));
-    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(a));
-    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(b));
-    return _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
-#elif defined(EMBER_AVX2)
-    const __m256i bound = _mm256_set1_epi32(127), low = _mm256_set1_epi32(-127);
-    __m256 f = _mm256_set1_ps(inverse);
-    __m256i total = _mm256_setzero_si256();
-    int32_t codes[GROUP];
-    for (int j = 0; j < 4; j++) {
-        __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], f));
-        c = _mm256_max_epi32(_mm256_min_epi32(c, bound), low);
-        total = _mm256_add_epi32(total, c);
-        _mm256_storeu_si256((__m256i *)(codes + 8 * j), c);
-    }
-    for (int j = 0; j < GROUP; j++) q[j] = (int8_t)codes[j];
-    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
-    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
-    return _mm_cvtsi128_si32(t4);
-#else
-    int32_t total = 0;
-    for (int j = 0; j < GROUP; j++) {
-        float v = nearbyintf(x[j] * inverse);
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        q[j] = (int8_t)v;
-        total += q[j];
-    }
-    return total;
-#endif
-}
-
-static void quantize_rows(const float *x, int64_t x_stride, int rows, int k, int8_t *q,
-                          float *scale, float *offset, int32_t *sum, int threads) {
-    int groups = k / GROUP;
-    /* Rows are independent: the threads split them once there are enough to pay for it. */
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= 64)
-    for (int i = 0; i < rows; i++)
-        for (int g = 0; g < groups; g++) {
-            int at = i * groups + g;
-            int32_t total = quantize_group(x + i * x_stride + g * GROUP,
-                                           q + (int64_t)i * k + g * GROUP, &scale[at]);
-            offset[at] = scale[at] * (float)total;
-            sum[at] = total;
-        }
-}
-
-/* One group's 4-bit codes as 8 chunks of unsigned bytes (chunk c: inputs 4c..4c+3 of each
- * output), the layout 8-bit codes have in their block. */
-static void unpack_group(const uint8_t *codes, uint8_t *out) {
-    for (int c = 0; c < 4; c++)
-        for (int j = 0; j < CHUNK; j++) {
-            out[c * CHUNK + j] = codes[c * CHUNK + j] & 0x0F;
-            out[(c + 4) * CHUNK + j] = codes[c * CHUNK + j] >> 4;
-        }
-}
-
-/* Group g's unpacked codes: 8-bit ones as they are in their block; 4-bit ones from the tile
- * unpacked in buf, or (buf NULL) unpacked now into local. */
-static inline const uint8_t *group_codes(const uint8_t *buf, const uint8_t *block, int g, int bits,
-                                         uint8_t *local) {
-    if (bits == 8) return block + HEADER_BYTES;
-    if (buf) return buf + (size_t)g * UNPACKED;
-    unpack_group(block + HEADER_BYTES, local);
-    return local;
-}
-
-#if !defined(EMBER_VNNI) && !defined(EMBER_AVX2)
+#ifndef __AVX512BF16__
 static float from_half(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
     uint32_t u;
@@ -188,137 +67,153 @@ static float from_half(uint16_t h) {
 }
 #endif
 
-#if defined(EMBER_VNNI)
-
-/* Quad c of group g's codes for 16 outputs (64 unsigned bytes): from the tile unpacked in buf,
- * else from the block (4-bit codes unpacked here: the low nibbles hold quads 0-3, the high
- * ones 4-7). */
-static inline __attribute__((always_inline)) __m512i quad_codes(const uint8_t *buf,
-                                                                const uint8_t *codes, int g,
-                                                                int c, int bits) {
-    if (bits == 8) return _mm512_loadu_si512((const __m512i *)(codes + c * CHUNK));
-    if (buf) return _mm512_load_si512((const __m512i *)(buf + (size_t)g * UNPACKED + c * CHUNK));
-    __m512i v = _mm512_loadu_si512((const __m512i *)(codes + (c & 3) * CHUNK));
-    if (c >= 4) v = _mm512_srli_epi16(v, 4);
-    return _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+static float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
 
-/* R rows times one tile, group by group (R and bits constants where inlined, so the loops
- * unroll and the accumulators stay in registers). */
-static inline __attribute__((always_inline)) void tile_rows(
-        const uint8_t *buf, const uint8_t *blocks, int bits, int block_bytes, Activations a,
-        float *y, int64_t y_stride, int R, int width) {
-    __m512 acc[ROWS];
-    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
-    for (int g = 0; g < a.groups; g++) {
-        const uint8_t *block = blocks + (size_t)g * block_bytes;
-        const int8_t *gq = a.q + g * GROUP;
-        __m512i dot[ROWS];
-        for (int i = 0; i < R; i++) dot[i] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int c = 0; c < QUADS; c++) {
-            __m512i w = quad_codes(buf, block + HEADER_BYTES, g, c, bits);
-            for (int i = 0; i < R; i++) {
-                int32_t quad;
-                memcpy(&quad, gq + i * a.q_stride + 4 * c, 4);
-                dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(quad));
-            }
+/* bfloat16 bits of 0..15 */
+static const uint16_t CODE_BF16[16] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0,
+                                       0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150,
+                                       0x4160, 0x4170};
+
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);  /* quiet NaN */
+    u += 0x7FFFu + ((u >> 16) & 1u);  /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* x rounded to bfloat16 into xb [rows, k] (contiguous), and each row's sum of it over each
+ * group (float32, in input order) into sums [rows, groups]. */
+static void round_and_sum(const float *x, int64_t x_stride, int rows, int k, uint16_t *xb,
+                          float *sums, int threads) {
+    int groups = k / GROUP;
+    /* Rows are independent: the threads split them once there are enough to pay for it. */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= 64)
+    for (int i = 0; i < rows; i++) {
+        for (int j = 0; j < k; j++) xb[(int64_t)i * k + j] = to_bf16(x[i * x_stride + j]);
+        for (int g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int j = 0; j < GROUP; j++) s += from_bf16(xb[(int64_t)i * k + g * GROUP + j]);
+            sums[i * groups + g] = s;
         }
+    }
+}
+
+#ifdef __AVX512BF16__
+
+static void widen_group(const uint8_t *codes, uint16_t *buf) {
+    const __m512i table = _mm512_castsi256_si512(
+        _mm256_loadu_si256((const __m256i *)CODE_BF16));
+    const __m512i nibble = _mm512_set1_epi16(0x0F);
+    for (int q = 0; q < 8; q++) {
+        __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + 32 * q)));
+        _mm512_store_si512((__m512i *)(buf + (2 * q) * 32),
+                           _mm512_permutexvar_epi16(_mm512_and_si512(v, nibble), table));
+        _mm512_store_si512((__m512i *)(buf + (2 * q + 1) * 32),
+                           _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table));
+    }
+}
+
+static void widen_group8(const uint8_t *codes, uint16_t *buf) {
+    for (int p = 0; p < PAIRS; p++) {
+        __m512 lo = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 32 * p))));
+        __m512 hi = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 32 * p + 16))));
+        _mm512_store_si512((__m512i *)(buf + p * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+#else  /* plain C: the same layout and arithmetic */
+
+static void widen_group8(const uint8_t *codes, uint16_t *buf) {
+    for (int j = 0; j < PAIRS * 32; j++) buf[j] = to_bf16((float)(int8_t)codes[j]);
+}
+
+static void widen_group(const uint8_t *codes, uint16_t *buf) {
+    for (int q = 0; q < 8; q++)
+        for (int j = 0; j < 32; j++) {
+            buf[(2 * q) * 32 + j] = CODE_BF16[codes[32 * q + j] & 0x0F];
+            buf[(2 * q + 1) * 32 + j] = CODE_BF16[codes[32 * q + j] >> 4];
+        }
+}
+
+#endif
+
+/* A block's codes (4 bits when the block is 320 bytes, else 8) widened into out. */
+static inline void widen(const uint8_t *block, int block_bytes, uint16_t *out) {
+    if (block_bytes == HEADER_BYTES + TILE * GROUP / 2)
+        widen_group(block + HEADER_BYTES, out);
+    else
+        widen_group8(block + HEADER_BYTES, out);
+}
+
+#ifdef __AVX512BF16__
+
+/* R rows (a constant where inlined) times one tile, group by group: from the widened tile in
+ * buf, or (buf NULL: a single pass of rows) each group widened here as it comes. */
+static inline void tile_rows(const uint16_t *buf, const uint8_t *blocks, int block_bytes,
+                             int groups, const uint32_t *x, int64_t x_stride, const float *sums,
+                             float *y, int64_t y_stride, int R, int width) {
+    __m512 acc[ROWS], dot[ROWS];
+    uint16_t local[PAIRS * 32] __attribute__((aligned(64)));
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const uint16_t *gbuf = buf ? buf + (size_t)g * PAIRS * 32 : local;
+        if (!buf) widen(blocks + (size_t)g * block_bytes, block_bytes, local);
+        const uint32_t *gx = x + g * PAIRS;
+        for (int i = 0; i < R; i++) dot[i] = _mm512_setzero_ps();
+        for (int p = 0; p < PAIRS; p++) {
+            __m512bh w = (__m512bh)_mm512_load_si512((const __m512i *)(gbuf + p * 32));
+            for (int i = 0; i < R; i++)
+                dot[i] = _mm512_dpbf16_ps(dot[i], w,
+                                          (__m512bh)_mm512_set1_epi32((int)gx[i * x_stride + p]));
+        }
+        const uint8_t *block = blocks + (size_t)g * block_bytes;
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block));
         __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 32)));
         for (int i = 0; i < R; i++) {
-            int at = i * a.groups + g;
-            if (bits == 8) dot[i] = _mm512_sub_epi32(dot[i], _mm512_set1_epi32(128 * a.sum[at]));
-            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_set1_ps(a.scale[at]));
-            acc[i] = _mm512_fmadd_ps(d, t, acc[i]);
-            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.offset[at]), acc[i]);
+            acc[i] = _mm512_fmadd_ps(dot[i], d, acc[i]);
+            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[i * groups + g]), acc[i]);
         }
     }
     __mmask16 mask = (__mmask16)((1u << width) - 1u);
     for (int i = 0; i < R; i++) _mm512_mask_storeu_ps(y + i * y_stride, mask, acc[i]);
 }
 
-#elif defined(EMBER_AVX2)
+#else
 
-/* The same with 256-bit registers: each tile in two halves of 8 outputs. 4-bit codes: the 8
- * quads' byte-pair products (at most 2 * 15 * 127 each) sum in 16 bits without overflow. 8-bit
- * codes: the sign trick (|c| times q with c's sign) keeps each pair within 16 bits. */
-static inline void tile_rows(const uint8_t *buf, const uint8_t *blocks, int bits, int block_bytes,
-                             Activations a, float *y, int64_t y_stride, int R, int width) {
-    __m256 acc[2][ROWS];
-    uint8_t local[UNPACKED] __attribute__((aligned(64)));
-    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
-    for (int h = 0; h < 2; h++)
-        for (int i = 0; i < R; i++) acc[h][i] = _mm256_setzero_ps();
-    for (int g = 0; g < a.groups; g++) {
-        const uint8_t *block = blocks + (size_t)g * block_bytes;
-        const uint8_t *gw = group_codes(buf, block, g, bits, local);
-        for (int h = 0; h < 2; h++) {
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16 * h)));
-            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 32 + 16 * h)));
-            for (int i = 0; i < R; i++) {
-                const int8_t *gq = a.q + i * a.q_stride + g * GROUP;
-                __m256i dot;
-                if (bits == 4) {
-                    __m256i pairs = _mm256_setzero_si256();
-                    for (int c = 0; c < QUADS; c++) {
-                        int32_t quad;
-                        memcpy(&quad, gq + 4 * c, 4);
-                        __m256i w = _mm256_loadu_si256((const __m256i *)(gw + c * CHUNK + 32 * h));
-                        pairs = _mm256_add_epi16(pairs,
-                                                 _mm256_maddubs_epi16(w, _mm256_set1_epi32(quad)));
-                    }
-                    dot = _mm256_madd_epi16(pairs, ones);
-                } else {
-                    dot = _mm256_setzero_si256();
-                    for (int c = 0; c < QUADS; c++) {
-                        int32_t quad;
-                        memcpy(&quad, gq + 4 * c, 4);
-                        __m256i w = _mm256_xor_si256(  /* the signed code */
-                            _mm256_loadu_si256((const __m256i *)(gw + c * CHUNK + 32 * h)), bias);
-                        __m256i p = _mm256_maddubs_epi16(
-                            _mm256_sign_epi8(w, w), _mm256_sign_epi8(_mm256_set1_epi32(quad), w));
-                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, ones));
-                    }
-                }
-                int at = i * a.groups + g;
-                __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(a.scale[at]));
-                acc[h][i] = _mm256_fmadd_ps(d, t, acc[h][i]);
-                acc[h][i] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.offset[at]), acc[h][i]);
-            }
-        }
-    }
-    for (int i = 0; i < R; i++) {
-        float out[TILE];
-        _mm256_storeu_ps(out, acc[0][i]);
-        _mm256_storeu_ps(out + 8, acc[1][i]);
-        memcpy(y + i * y_stride, out, sizeof(float) * (size_t)width);
-    }
-}
-
-#else  /* plain C: the same arithmetic */
-
-static inline void tile_rows(const uint8_t *buf, const uint8_t *blocks, int bits, int block_bytes,
-                             Activations a, float *y, int64_t y_stride, int R, int width) {
-    uint8_t local[UNPACKED];
+static inline void tile_rows(const uint16_t *buf, const uint8_t *blocks, int block_bytes,
+                             int groups, const uint32_t *x, int64_t x_stride, const float *sums,
+                             float *y, int64_t y_stride, int R, int width) {
+    uint16_t local[PAIRS * 32];
     for (int i = 0; i < R; i++) {
         float acc[TILE] = {0};
-        for (int g = 0; g < a.groups; g++) {
+        for (int g = 0; g < groups; g++) {
             const uint8_t *block = blocks + (size_t)g * block_bytes;
-            const uint8_t *gw = group_codes(buf, block, g, bits, local);
-            const int8_t *gq = a.q + i * a.q_stride + g * GROUP;
-            int at = i * a.groups + g;
+            const uint16_t *gbuf = buf ? buf + (size_t)g * PAIRS * 32 : local;
+            if (!buf) widen(block, block_bytes, local);
+            float dot[TILE] = {0};
+            for (int p = 0; p < PAIRS; p++) {
+                uint32_t xp = x[i * x_stride + g * PAIRS + p];
+                float x0 = from_bf16((uint16_t)(xp & 0xFFFFu));
+                float x1 = from_bf16((uint16_t)(xp >> 16));
+                for (int n = 0; n < TILE; n++) {
+                    dot[n] = __builtin_fmaf(from_bf16(gbuf[p * 32 + 2 * n + 1]), x1, dot[n]);
+                    dot[n] = __builtin_fmaf(from_bf16(gbuf[p * 32 + 2 * n]), x0, dot[n]);
+                }
+            }
             for (int n = 0; n < TILE; n++) {
-                int32_t dot = 0;
-                for (int c = 0; c < QUADS; c++)
-                    for (int j = 0; j < 4; j++) dot += gw[c * CHUNK + 4 * n + j] * gq[4 * c + j];
-                if (bits == 8) dot -= 128 * a.sum[at];
                 uint16_t hd, hm;
                 memcpy(&hd, block + 2 * n, 2);
                 memcpy(&hm, block + 32 + 2 * n, 2);
-                float t = (float)dot * a.scale[at];
-                acc[n] = fmaf(from_half(hd), t, acc[n]);
-                acc[n] = fmaf(from_half(hm), a.offset[at], acc[n]);
+                acc[n] = __builtin_fmaf(dot[n], from_half(hd), acc[n]);
+                acc[n] = __builtin_fmaf(from_half(hm), sums[i * groups + g], acc[n]);
             }
         }
         for (int n = 0; n < width; n++) y[i * y_stride + n] = acc[n];
@@ -327,27 +222,16 @@ static inline void tile_rows(const uint8_t *buf, const uint8_t *blocks, int bits
 
 #endif
 
-/* All rows times one tile, ROWS at a time; every call of tile_rows has constant bits and row
- * counts, so each is compiled on its own with its loops unrolled. */
-static void tile_all_rows(const uint8_t *buf, const uint8_t *blocks, int bits, int block_bytes,
-                          Activations a, float *y, int64_t y_stride, int rows, int width) {
+static void tile_all_rows(const uint16_t *buf, const uint8_t *blocks, int block_bytes,
+                          int groups, const uint32_t *x, int64_t x_stride, const float *sums,
+                          float *y, int64_t y_stride, int rows, int width) {
     int i = 0;
-    for (; i + ROWS <= rows; i += ROWS) {
-        if (bits == 4)
-            tile_rows(buf, blocks, 4, block_bytes, a, y + i * y_stride, y_stride, ROWS, width);
-        else
-            tile_rows(buf, blocks, 8, block_bytes, a, y + i * y_stride, y_stride, ROWS, width);
-        a.q += ROWS * a.q_stride;
-        a.scale += ROWS * a.groups;
-        a.offset += ROWS * a.groups;
-        a.sum += ROWS * a.groups;
-    }
-    switch ((rows - i) * 2 + (bits == 8)) {
-#define TAIL(r) \
-        case 2 * r: tile_rows(buf, blocks, 4, block_bytes, a, y + i * y_stride, y_stride, r, \
-                              width); break; \
-        case 2 * r + 1: tile_rows(buf, blocks, 8, block_bytes, a, y + i * y_stride, y_stride, r, \
-                                  width); break;
+    for (; i + ROWS <= rows; i += ROWS)
+        tile_rows(buf, blocks, block_bytes, groups, x + i * x_stride, x_stride, sums + i * groups,
+                  y + i * y_stride, y_stride, ROWS, width);
+    switch (rows - i) {  /* constant row counts, so each call's loops unroll */
+#define TAIL(r) case r: tile_rows(buf, blocks, block_bytes, groups, x + i * x_stride, x_stride, \
+                                  sums + i * groups, y + i * y_stride, y_stride, r, width); break;
         TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7)
 #undef TAIL
         default: break;
@@ -362,41 +246,34 @@ int ember_quant_linear(const float *x, int64_t x_stride, const uint8_t *blocks, 
     if (bits != 4 && bits != 8) return -2;
     int tiles = (n + TILE - 1) / TILE, groups = k / GROUP;
     int block_bytes = HEADER_BYTES + TILE * GROUP * bits / 8;
-    size_t buf_stride = (size_t)groups * UNPACKED;
-    size_t per_row_group = (size_t)rows * (size_t)groups;
+    size_t buf_stride = ((size_t)k * TILE * 2 + 63) / 64 * 64;
     if (threads < 1) threads = 1;
-    int8_t *q = aligned_alloc(64, ((size_t)rows * (size_t)k + 63) / 64 * 64 + 64);
-    float *scales = malloc(sizeof(float) * 2 * per_row_group + 1);
-    int32_t *sums = malloc(sizeof(int32_t) * per_row_group + 1);
+    float *sums = malloc(sizeof(float) * (size_t)rows * (size_t)groups + 1);
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)rows * (size_t)k + 1);
     uint8_t *bufs = aligned_alloc(64, buf_stride * (size_t)threads);
-    if (!q || !scales || !sums || !bufs) {
-        free(q);
-        free(scales);
+    if (!sums || !xb || !bufs) {
         free(sums);
+        free(xb);
         free(bufs);
         return -1;
     }
-    quantize_rows(x, x_stride, rows, k, q, scales, scales + per_row_group, sums, threads);
-    Activations a = {q, scales, scales + per_row_group, sums, k, groups};
+    round_and_sum(x, x_stride, rows, k, xb, sums, threads);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles > 1)
     for (int t = 0; t < tiles; t++) {
-        uint8_t *buf = bufs + buf_stride * (size_t)omp_get_thread_num();
+        uint16_t *buf = (uint16_t *)(bufs + buf_stride * (size_t)omp_get_thread_num());
         const uint8_t *tile = blocks + (size_t)t * groups * block_bytes;
         int width = n - t * TILE < TILE ? n - t * TILE : TILE;
-        /* 4-bit codes: one pass of rows unpacks each group as it goes (the codes stay in L1);
-         * more passes unpack the tile once into buf and reuse it. The same arithmetic either
-         * way. 8-bit codes are read as they are. */
-        int unpack_tile = bits == 4 && rows > ROWS;
-        if (unpack_tile)
+        /* One pass of rows widens each group as it goes (the codes stay in L1); more passes
+         * widen the tile once into buf and reuse it. The same arithmetic either way. */
+        int passes = (rows + ROWS - 1) / ROWS;
+        if (passes > 1)
             for (int g = 0; g < groups; g++)
-                unpack_group(tile + (size_t)g * block_bytes + HEADER_BYTES,
-                             buf + (size_t)g * UNPACKED);
-        tile_all_rows(unpack_tile ? buf : NULL, tile, bits, block_bytes, a, y + t * TILE,
-                      y_stride, rows, width);
+                widen(tile + (size_t)g * block_bytes, block_bytes, buf + (size_t)g * PAIRS * 32);
+        tile_all_rows(passes > 1 ? buf : NULL, tile, block_bytes, groups, (const uint32_t *)xb, k / 2, sums,
+                      y + t * TILE, y_stride, rows, width);
     }
-    free(q);
-    free(scales);
     free(sums);
+    free(xb);
     free(bufs);
     return 0;
 }

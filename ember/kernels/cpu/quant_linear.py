@@ -1,13 +1,11 @@
 """quant_linear: a quantized linear layer on the CPU, 4- or 8-bit integer codes with one scale and
 offset per 32 inputs (GGUF's Q4_0 / Q4_1 / Q4_K, and Q5_0 / Q5_1 / Q8_0 / Q5_K in 8 bits; the
-logits head in 8 bits), y = x @ W^T in float32.
+logits head in 8 bits), y = x @ W^T in float32, x multiplied in bfloat16.
 
-The kernel (quant_linear.c) quantizes x to 8 bits per row and group of 32 inputs, as llama.cpp
-does for its integer dot products, and takes each group's dot with the codes as an exact integer
-on AVX512-VNNI (64 products an instruction), AVX2 or plain C, all giving the same bits. A batch
-reuses each unpacked weight tile across its rows, as torch's int4 and int8 matmuls do not
-(docs/benchmarks.md), and each row's arithmetic is the same whatever the batch, so a token's
-result does not depend on what it was batched with.
+The kernel (quant_linear.c) widens each tile of 16 outputs to bfloat16 once and multiplies every
+row with it, on AVX512-BF16's dot where the CPU has it, so a batch reuses each weight across its
+rows, as torch's int4 and int8 matmuls do not (docs/benchmarks.md). Each row's sum runs in the
+same order whatever the batch, so a token's result does not depend on what it was batched with.
 
 Built on first use with the machine's C compiler (``CC``, else ``cc``; -O3 -march=native
 -fopenmp) into ``EMBER_CACHE_DIR`` (a temporary directory when the cache is off), keyed by the
@@ -29,7 +27,7 @@ from ember.kernels.cpu import native
 
 TILE, GROUP, HEADER_BYTES = 16, 32, 64
 # The packed blocks' layout (``pack``), named in snapshot-cache keys: change it with the layout.
-LAYOUT = "int8-quads"
+LAYOUT = "bf16-pairs"
 
 
 def build(extra_flags: tuple[str, ...] = ()) -> str:
@@ -60,9 +58,8 @@ def available() -> bool:
     return library() is not None
 
 
-def native_simd() -> bool:
-    """Whether the kernel runs on vector instructions here (AVX512-VNNI or AVX2; else its
-    plain-C build, slower than torch's int4 matmul)."""
+def native_bf16() -> bool:
+    """Whether the kernel runs on AVX512-BF16 (else its plain-C build, much slower)."""
     lib = library()
     return bool(lib is not None and lib.ember_quant_native())
 
@@ -81,17 +78,15 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     tiles, groups = -(-n // TILE), k // GROUP
     pad = tiles * TILE - n
     if bits == 4:
-        # chunk c, byte 4n + i: output n's input 4c + i (low nibble) and 16 + 4c + i (high)
         c = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
-        c = c.view(tiles, TILE, groups, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [T, G, half, c, n, i]
-        low = c[:, :, 0].reshape(tiles, groups, -1)
-        high = c[:, :, 1].reshape(tiles, groups, -1)
-        packed_codes = low | (high << 4)
+        c = c.view(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, quad, n, input]
+        low = c[..., 0:2].reshape(tiles, groups, 8, 2 * TILE)
+        high = c[..., 2:4].reshape(tiles, groups, 8, 2 * TILE)
+        packed_codes = (low | (high << 4)).reshape(tiles, groups, -1)
     else:
-        # chunk c, byte 4n + i: output n's input 4c + i, plus 128 (unsigned)
-        c = torch.nn.functional.pad(codes.to(torch.int16) + 128, (0, 0, 0, pad)).to(torch.uint8)
-        c = c.view(tiles, TILE, groups, GROUP // 4, 4).permute(0, 2, 3, 1, 4)  # [T, G, c, n, i]
-        packed_codes = c.reshape(tiles, groups, -1)
+        c = torch.nn.functional.pad(codes.to(torch.int8), (0, 0, 0, pad))
+        c = c.view(tiles, TILE, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)  # [T, G, pair, n, 2]
+        packed_codes = c.reshape(tiles, groups, -1).view(torch.uint8)
 
     def per_tile(t: torch.Tensor) -> torch.Tensor:
         t = torch.nn.functional.pad(t, (0, 0, 0, pad)).view(tiles, TILE, groups)
