@@ -318,6 +318,7 @@ class Scheduler:
         """Advance progress, append sampled tokens, finish requests; returns those with news."""
         now = time.time()
         touched: list[Request] = []
+        constrained: list[tuple[Request, int]] = []  # requests whose grammar takes the token
         sampled, max_model_len = result.sampled_token_ids, self.max_model_len
         in_flight = self.in_flight_ids
         for request in out.scheduled_requests:
@@ -338,10 +339,16 @@ class Scheduler:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-            grammar = request.structured_output
-            if (grammar is not None and self.structured_output.accept(request, token)) \
-                    or request.check_stop(max_model_len):
+            if request.structured_output is not None:
+                constrained.append((request, token))  # ended after the step's grammar advance
+            elif request.check_stop(max_model_len):
                 self._remove(request)
                 self._free(request)
             touched.append(request)
+        if constrained:
+            ended = {id(r) for r in self.structured_output.accept_many(constrained)}
+            for request, _ in constrained:
+                if id(request) in ended or request.check_stop(max_model_len):
+                    self._remove(request)
+                    self._free(request)
         return touched

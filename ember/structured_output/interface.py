@@ -138,14 +138,17 @@ class StructuredOutputBackend(ABC):
         """Compile a spec (on a worker thread; the result is cached and shared by requests)."""
 
     def accept_tokens(self, grammars: list[Grammar], tokens: list[int]) -> list[bool]:
-        """Advance each grammar by its token (a step's sampled tokens; with async scheduling
-        on the bitmask helper thread); whether each was allowed. A backend with a batched call
-        that releases the GIL overrides this loop."""
+        """Advance each grammar by its token (a step's sampled tokens, on the engine thread;
+        with deferred accepts on the bitmask helper thread); whether each was allowed. A
+        backend with a batched call that releases the GIL overrides this loop."""
         return [grammar.accept_token(token) for grammar, token in zip(grammars, tokens)]
 
     @abstractmethod
     def new_grammar(self, compiled: Any, stop_token_ids: list[int]) -> Grammar:
         """A fresh matcher for one request; `stop_token_ids` end the grammar (the engine's eos)."""
+
+    def shutdown(self) -> None:
+        """Release the backend's threads (the engine is shutting down); the default has none."""
 
     def fill_bitmasks(self, grammars: list[Grammar], bitmask: torch.Tensor,
                       rows: list[int]) -> None:

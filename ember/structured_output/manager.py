@@ -4,9 +4,10 @@
   engine: tokenizer tables take a second or more; then the compiled grammar, cached by the spec so
   equal specs compile once, shared; then the request's own matcher). The scheduler keeps the
   request aside until `ready(request)` (it never blocks the loop or other requests).
-- `accept(request, token)`: after each sampled token (the scheduler's update_from_output);
-  returns True when the request is finished: the grammar is complete (status FINISHED_STOPPED)
-  or refused the token (FINISHED_ABORTED, logged; it cannot happen with the mask applied).
+- `accept_many([(request, token), ...])`: a step's sampled tokens (the scheduler's
+  update_from_output), each backend's in one call; returns the requests finished: the grammar
+  is complete (status FINISHED_STOPPED) or refused the token (FINISHED_ABORTED, logged; it
+  cannot happen with the mask applied). `accept(request, token)` is the same for one token.
   Under async scheduling (`defer_accepts`) it only records the token: the next fill advances
   the grammars in one batched backend call on its helper thread, and `take_finished()` gives
   the requests it found complete or refusing, which the engine core ends.
@@ -217,6 +218,40 @@ class StructuredOutputManager:
     # ---- stepping ----------------------------------------------------------------------
     def accept(self, request: Request, token: int) -> bool:
         """Advance the grammar by a sampled token; True when the request is finished by it."""
+        return bool(self.accept_many([(request, token)]))
+
+    def accept_many(self, sampled: list[tuple[Request, int]]) -> list[Request]:
+        """Advance each request's grammar by its sampled token (a step's tokens, after each is
+        appended to its request): each backend takes its rows in one call (xgrammar's split
+        over threads that release the GIL, where a call a token would hold it on the engine
+        thread). Returns the requests the grammar finished: complete (status FINISHED_STOPPED)
+        or refusing the token (FINISHED_ABORTED, logged; it cannot happen with the mask)."""
+        by_backend: dict[str, list[tuple[Request, int]]] = {}
+        for request, token in sampled:
+            if self._takes_token(request, token):
+                by_backend.setdefault(request.structured_output.backend, []).append(
+                    (request, token))
+        finished: list[Request] = []
+        for name, rows in by_backend.items():
+            grammars = [request.structured_output.grammar for request, _ in rows]
+            accepted = (self._backends[name].accept_tokens(grammars, [t for _, t in rows])
+                        if len(rows) > 1 else [grammars[0].accept_token(rows[0][1])])
+            for (request, token), ok, grammar in zip(rows, accepted, grammars):
+                request.structured_output.num_accepted += 1
+                if not ok:
+                    logger.error("request %s: the grammar refused sampled token %d; aborting it",
+                                 request.request_id, token)
+                    request.status = RequestStatus.FINISHED_ABORTED
+                elif grammar.is_terminated():
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    continue
+                finished.append(request)
+        return finished
+
+    def _takes_token(self, request: Request, token: int) -> bool:
+        """Whether the grammar is to advance by ``token`` now: not while the output is still
+        reasoning (the reasoning gate moves on instead), nor under deferred accepts."""
         so = request.structured_output
         if so.state != ANSWER:  # reasoning (or its first token): the grammar waits
             was, so.state = so.state, self._gate.next_state(so.state, token)  # type: ignore[union-attr]
@@ -225,19 +260,7 @@ class StructuredOutputManager:
             so.start = len(request.output_token_ids) - (1 if was == UNDECIDED else 0)
             if was != UNDECIDED:
                 return False  # the end tag: the answer starts with the next token
-        if self.defer_accepts:
-            return False  # the next fill advances the grammar (see __init__)
-        grammar = so.grammar
-        so.num_accepted += 1
-        if not grammar.accept_token(token):
-            logger.error("request %s: the grammar refused sampled token %d; aborting it",
-                         request.request_id, token)
-            request.status = RequestStatus.FINISHED_ABORTED
-            return True
-        if grammar.is_terminated():
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        return False
+        return not self.defer_accepts  # else the next fill advances the grammar (see __init__)
 
     def sampling_rows(self, plan: SchedulerOutput) -> list[Request]:
         """The requests of `plan` that sample under a grammar: scheduled up to their last known
@@ -434,3 +457,6 @@ class StructuredOutputManager:
         if self._fill_thread is not None:
             self._fill_thread.shutdown(wait=True)
             self._fill_thread = None
+        with self._backend_lock:
+            for backend in self._backends.values():
+                backend.shutdown()
