@@ -147,9 +147,6 @@ class StructuredOutputBackend(ABC):
     def new_grammar(self, compiled: Any, stop_token_ids: list[int]) -> Grammar:
         """A fresh matcher for one request; `stop_token_ids` end the grammar (the engine's eos)."""
 
-    def shutdown(self) -> None:  # noqa: B027 (optional: most backends have nothing to release)
-        """Release the backend's threads (the engine is shutting down); the default has none."""
-
     def fill_bitmasks(self, grammars: list[Grammar], bitmask: torch.Tensor,
                       rows: list[int]) -> None:
         """Fill row rows[i] of `bitmask` for grammars[i] (all this backend's). Called once per

@@ -222,10 +222,10 @@ class StructuredOutputManager:
 
     def accept_many(self, sampled: list[tuple[Request, int]]) -> list[Request]:
         """Advance each request's grammar by its sampled token (a step's tokens, after each is
-        appended to its request): each backend takes its rows in one call (xgrammar's split
-        over threads that release the GIL, where a call a token would hold it on the engine
-        thread). Returns the requests the grammar finished: complete (status FINISHED_STOPPED)
-        or refusing the token (FINISHED_ABORTED, logged; it cannot happen with the mask)."""
+        appended to its request): each backend takes its rows in one call (xgrammar's releases
+        the GIL and makes no Python call a token). Returns the requests the grammar finished:
+        complete (status FINISHED_STOPPED) or refusing the token (FINISHED_ABORTED, logged; it
+        cannot happen with the mask applied)."""
         by_backend: dict[str, list[tuple[Request, int]]] = {}
         for request, token in sampled:
             if self._takes_token(request, token):
@@ -457,6 +457,3 @@ class StructuredOutputManager:
         if self._fill_thread is not None:
             self._fill_thread.shutdown(wait=True)
             self._fill_thread = None
-        with self._backend_lock:
-            for backend in self._backends.values():
-                backend.shutdown()
