@@ -8,9 +8,15 @@ output tokens). Each engine runs in its own subprocess, one after another; load 
 model's construction to ready. llama-cpp-python serves one sequence at a time, so its batch
 figure is the 32 requests run back to back.
 
+Variant ``kernel`` (and ``kernel-base``) times ember's quantized CPU kernel alone instead: one
+``quant_linear`` call at each of the default model's layer shapes and 1, 4, 32 and 128 rows
+(microseconds, the median of repeated calls).
+
     python benchmarks/cpu_quant.py [--llamacpp-python /tmp/llamacpp-venv/bin/python]
         [--threads 2] [--only ember-quant,ember-float,hf,llamacpp] [--json out.json]
         [--baseline-src /tmp/base --only ember-quant-base,ember-quant,...]
+    python benchmarks/cpu_quant.py --threads 1 --baseline-src /tmp/base \
+        --only kernel-base,kernel,kernel-base,kernel
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ import time
 CHAT = "Write a short story about a dragon who learns to paint."
 SINGLE_TOKENS, BATCH, PROMPT_LEN, BATCH_OUT = 128, 32, 128, 64
 VARIANTS = ("ember-quant", "ember-float", "hf", "llamacpp")
+# The default model's quantized layers: (name, N, K, bits).
+KERNEL_SHAPES = (("gate_up", 3072, 576, 4), ("down", 576, 1536, 4), ("qkv", 960, 576, 4),
+                 ("head", 49152, 576, 8))
+KERNEL_ROWS = (1, 4, 32, 128)
 
 
 def _model_path() -> str:
@@ -135,6 +145,34 @@ def run_llamacpp(path: str, chat: list[int], vocab: int, threads: int) -> dict:
             "batch_tok_s": produced / batch_s, "first_tokens": out[:16]}
 
 
+def run_kernel() -> dict:
+    import statistics
+
+    import torch
+
+    from ember.kernels.cpu import quant_linear as kernel
+
+    generator = torch.Generator().manual_seed(0)
+    result: dict[str, dict[int, float]] = {}
+    for name, n, k, bits in KERNEL_SHAPES:
+        low, high = (0, 16) if bits == 4 else (-128, 128)
+        codes = torch.randint(low, high, (n, k), generator=generator)
+        scale = torch.rand(n, k // 32, generator=generator) * 0.01
+        blocks = kernel.pack(codes, scale, -scale * 4, bits=bits)
+        result[name] = {}
+        for rows in KERNEL_ROWS:
+            x = torch.randn(rows, k, generator=generator)
+            kernel.quant_linear(x, blocks, n, bits)  # warm-up
+            calls = max(5, int(2e8 / (rows * n * k)))
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                kernel.quant_linear(x, blocks, n, bits)
+                times.append(time.perf_counter() - t0)
+            result[name][rows] = statistics.median(times) * 1e6
+    return {"kernel_us": result}
+
+
 def _child(variant: str, args: argparse.Namespace) -> dict:
     """Run one variant in a fresh interpreter and return its JSON line."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), EMBER_DISABLE_PROGRESS="1")
@@ -174,14 +212,20 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-        result = run_hf() if args.child == "hf" else run_ember(
-            None if args.child == "ember-quant" else "none")
+        if args.child == "kernel":
+            result = run_kernel()
+        else:
+            result = run_hf() if args.child == "hf" else run_ember(
+                None if args.child == "ember-quant" else "none")
         print(json.dumps(result))
         return
     rows = {}
     for variant in args.only.split(","):
-        rows[variant] = _child(variant, args)
-        print(variant, json.dumps(rows[variant]), flush=True)
+        key, again = variant, 2
+        while key in rows:  # a variant named twice (alternating runs) is kept each time
+            key, again = f"{variant}#{again}", again + 1
+        rows[key] = _child(variant, args)
+        print(key, json.dumps(rows[key]), flush=True)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                 if ln.startswith("model name")), platform.processor())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -190,7 +234,11 @@ def main() -> None:
           f"threads {args.threads}  load average {os.getloadavg()[0]:.1f}")
     print(f"{'engine':<12} {'load s':>8} {'single tok/s':>13} {'batch tok/s':>12}")
     for variant, r in rows.items():
-        if "error" in r:
+        if "kernel_us" in r:
+            print(f"{variant:<12} us a call at {'/'.join(map(str, KERNEL_ROWS))} rows: " + "  ".join(
+                f"{name} {'/'.join(f'{us:.0f}' for us in by_rows.values())}"
+                for name, by_rows in r["kernel_us"].items()))
+        elif "error" in r:
             print(f"{variant:<12} error: {r['error']}")
         else:
             print(f"{variant:<12} {r['load_s']:>8.2f} {r['single_tok_s']:>13.1f} "
