@@ -158,9 +158,9 @@ static inline void widen(const uint8_t *block, int block_bytes, uint16_t *out) {
 /* R rows (a constant where inlined) times one tile, group by group: from the widened tile in
  * buf, or (buf NULL: a single pass of rows) each group widened here as it comes. Always inlined,
  * so each row count gets its own unrolled code with the accumulators in registers. */
-static inline __attribute__((always_inline)) void tile_rows(const uint16_t *buf, const uint8_t *blocks, int block_bytes,
-                             int groups, const uint32_t *x, int64_t x_stride, const float *sums,
-                             float *y, int64_t y_stride, int R, int width) {
+static inline __attribute__((always_inline)) void tile_rows(
+        const uint16_t *buf, const uint8_t *blocks, int block_bytes, int groups, const uint32_t *x,
+        int64_t x_stride, const float *sums, float *y, int64_t y_stride, int R, int width) {
     __m512 acc[ROWS], dot[ROWS];
     uint16_t local[PAIRS * 32] __attribute__((aligned(64)));
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
