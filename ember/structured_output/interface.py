@@ -140,7 +140,7 @@ class StructuredOutputBackend(ABC):
     def accept_tokens(self, grammars: list[Grammar], tokens: list[int]) -> list[bool]:
         """Advance each grammar by its token (a step's sampled tokens, on the engine thread;
         with deferred accepts on the bitmask helper thread); whether each was allowed. A
-        backend with a batched call that releases the GIL overrides this loop."""
+        backend with a batched native call overrides this loop."""
         return [grammar.accept_token(token) for grammar, token in zip(grammars, tokens)]
 
     @abstractmethod

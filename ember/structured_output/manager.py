@@ -96,9 +96,10 @@ class StructuredOutputManager:
         # Deferred accepts (set by the engine core under deferred sampling): accept() only
         # records a token, and the next fill advances the grammars first, in one batched
         # backend call a step (StructuredOutputBackend.accept_tokens, which xgrammar runs
-        # without the GIL) on fill_async's helper thread instead of a call a token on the
-        # engine thread. A grammar the fill finds complete or refusing its token is reported
-        # by take_finished() for the engine core to end.
+        # mostly in native code: it does not release the GIL throughout, docs/benchmarks.md)
+        # on fill_async's helper thread instead of on the engine thread. A grammar the fill
+        # finds complete or refusing its token is reported by take_finished() for the engine
+        # core to end.
         self.defer_accepts = False
         self._finished: list[tuple[Request, RequestStatus]] = []
         # Host buffers the bitmasks are filled into, used in turn (use_host_buffers).
@@ -222,8 +223,8 @@ class StructuredOutputManager:
 
     def accept_many(self, sampled: list[tuple[Request, int]]) -> list[Request]:
         """Advance each request's grammar by its sampled token (a step's tokens, after each is
-        appended to its request): each backend takes its rows in one call (xgrammar's releases
-        the GIL and makes no Python call a token). Returns the requests the grammar finished:
+        appended to its request): each backend takes its rows in one call (xgrammar's: one native
+        call for the rows). Returns the requests the grammar finished:
         complete (status FINISHED_STOPPED) or refusing the token (FINISHED_ABORTED, logged; it
         cannot happen with the mask applied)."""
         by_backend: dict[str, list[tuple[Request, int]]] = {}

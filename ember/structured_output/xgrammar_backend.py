@@ -159,9 +159,9 @@ class XgrammarBackend(StructuredOutputBackend):
     def accept_tokens(self, grammars: list[Grammar], tokens: list[int]) -> list[bool]:
         import xgrammar as xgr
 
-        # One call for the step's rows, the GIL released (a call a token holds it), on the
-        # engine thread: split over threads it was slower, on 2 vCPUs (0.451 against 0.383 ms
-        # for 256 rows) and on the H200's 16-core host (the step's update 2.7 against 0.6 ms).
+        # One native call for the step's rows (it holds the GIL for much of its time, so it is
+        # not split over threads: that was slower on 2 vCPUs, 0.451 against 0.383 ms for 256
+        # rows, and on the H200's 16-core host, the step's update 2.7 against 0.6 ms).
         return xgr.BatchGrammarMatcher.batch_accept_token(  # type: ignore[attr-defined]
             [g.matcher for g in grammars], tokens)
 
