@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -38,6 +37,7 @@ from ember.core.scheduler_output import GrammarBitmask, SchedulerOutput
 from ember.structured_output.config import StructuredOutputsConfig
 from ember.structured_output.interface import Grammar, GrammarSpec, StructuredOutputBackend
 from ember.structured_output.reasoning_gate import ANSWER, REASONING, UNDECIDED, ReasoningGate
+from ember.structured_output.switch_interval import ShortSwitchInterval
 from ember.structured_output.validation import resolve_backend_class, select_backend
 
 logger = logging.getLogger("ember")
@@ -90,9 +90,7 @@ class StructuredOutputManager:
         self._gate: ReasoningGate | None = None  # built with the first grammar, if configured
         # perf_counter at the start and end of the last fill's backend calls (step timing).
         self.last_fill = (0.0, 0.0)
-        self._switch_lock = threading.Lock()  # fill_async's switch interval (see there)
-        self._fills_pending = 0
-        self._saved_switch_interval = sys.getswitchinterval()
+        self._switch_interval = ShortSwitchInterval(FILL_SWITCH_INTERVAL_S)  # see fill_async
         # Deferred accepts (set by the engine core under deferred sampling): accept() only
         # records a token, and the next fill advances the grammars first, in one batched
         # backend call a step (StructuredOutputBackend.accept_tokens, which xgrammar runs
@@ -223,10 +221,10 @@ class StructuredOutputManager:
 
     def accept_many(self, sampled: list[tuple[Request, int]]) -> list[Request]:
         """Advance each request's grammar by its sampled token (a step's tokens, after each is
-        appended to its request): each backend takes its rows in one call (xgrammar's: one native
-        call for the rows). Returns the requests the grammar finished:
-        complete (status FINISHED_STOPPED) or refusing the token (FINISHED_ABORTED, logged; it
-        cannot happen with the mask applied)."""
+        appended to its request): each backend takes its rows in one call (xgrammar's: one
+        native call for the rows). Returns the requests the grammar finished: complete (status
+        FINISHED_STOPPED) or refusing the token (FINISHED_ABORTED, logged; it cannot happen
+        with the mask applied)."""
         by_backend: dict[str, list[tuple[Request, int]]] = {}
         for request, token in sampled:
             if self._takes_token(request, token):
@@ -235,8 +233,7 @@ class StructuredOutputManager:
         finished: list[Request] = []
         for name, rows in by_backend.items():
             grammars = [request.structured_output.grammar for request, _ in rows]
-            accepted = (self._backends[name].accept_tokens(grammars, [t for _, t in rows])
-                        if len(rows) > 1 else [grammars[0].accept_token(rows[0][1])])
+            accepted = self._backends[name].accept_tokens(grammars, [t for _, t in rows])
             for (request, token), ok, grammar in zip(rows, accepted, grammars):
                 request.structured_output.num_accepted += 1
                 if not ok:
@@ -309,31 +306,15 @@ class StructuredOutputManager:
         if self._fill_thread is None:
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-bitmask")
         rows = self._rows(requests)
-        self._short_switch_interval(True)
+        self._switch_interval.begin()
         try:
             future = self._fill_thread.submit(self._fill_rows, rows, self._next_host_buffer())
         except BaseException:
-            self._short_switch_interval(False)
+            self._switch_interval.end()
             raise
         # Run by the helper just after the result is set (or here, if it is set already).
-        future.add_done_callback(lambda _done: self._short_switch_interval(False))
+        future.add_done_callback(lambda _done: self._switch_interval.end())
         return future
-
-    def _short_switch_interval(self, begin: bool) -> None:
-        """Count a pending fill in (True) or out (False): the first one in shortens the switch
-        interval, the last one out puts back what it was. Counted, because a fill's done
-        callback may run after the next fill has begun."""
-        with self._switch_lock:
-            if begin:
-                if self._fills_pending == 0:
-                    self._saved_switch_interval = sys.getswitchinterval()
-                    sys.setswitchinterval(min(self._saved_switch_interval,
-                                              FILL_SWITCH_INTERVAL_S))
-                self._fills_pending += 1
-            else:
-                self._fills_pending -= 1
-                if self._fills_pending == 0:
-                    sys.setswitchinterval(self._saved_switch_interval)
 
     def take_finished(self) -> list[tuple[Request, RequestStatus]]:
         """The requests (and the status to end them with) whose grammar the fills since the
