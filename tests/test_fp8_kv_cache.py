@@ -102,6 +102,48 @@ def test_prefill_reads_fp8_cache():
                                atol=1e-4, rtol=1e-4)
 
 
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_16bit_queries_widen_fp8_tiles_to_float16(kernel):
+    """bf16 queries over an fp8 cache: the tiles are widened to float16 and the dots run in
+    float16 (widen_fp8_to_f16), within bf16's error of attention over the dequantized cache."""
+    from ember.kernels.store_kv import widen_fp8_to_f16
+
+    assert widen_fp8_to_f16(FP8, torch.bfloat16) and widen_fp8_to_f16(FP8, torch.float16)
+    assert not widen_fp8_to_f16(FP8, torch.float32)
+    assert not widen_fp8_to_f16(torch.bfloat16, torch.bfloat16)
+    seq_lens = [40, 7]
+    fp8, deq, bt = _fp8_paged(seq_lens, 2, 32, 4, k_scale=0.5, v_scale=0.25, seed=7)
+    if kernel == "decode":
+        q = torch.randn(2, 4, 32, device=DEV).to(torch.bfloat16)
+        qsl = [0, 1, 2]
+        out = paged_decode_attention(q, fp8, _i32(seq_lens), bt, 0.2, num_splits=2,
+                                     config=DecodeConfig(block_n=16), k_scale=0.5, v_scale=0.25)
+    else:
+        q = torch.randn(47, 4, 32, device=DEV).to(torch.bfloat16)
+        qsl = [0, 40, 47]
+        out = paged_prefill_attention(q, fp8, _i32(qsl), _i32(seq_lens), bt, 40, 0.2,
+                                      config=PrefillConfig(block_m=16, block_n=16), k_scale=0.5,
+                                      v_scale=0.25)
+    assert out.dtype == torch.bfloat16
+    ref = ref_attention(q, deq, qsl if kernel == "prefill" else [0, 1, 2], seq_lens, bt, 0.2)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_decode_tiles_are_the_same_bytes_a_key():
+    """An fp8 cache's decode tiles are the tables' entry for a 16-bit head of half the size
+    (the same bytes a key), falling back to the head's own entry where there is none."""
+    from ember.kernels.decode_attention import default_config
+    from ember.kernels.tuning import DeviceTuning
+
+    tables = {64: DecodeConfig(block_n=128), 128: DecodeConfig(block_n=64)}
+    tuning = DeviceTuning(decode=tables, decode_split=tables, decode_latency=tables, prefill={},
+                          small_batch_linear=())
+    assert default_config(128, tuning=tuning).block_n == 64
+    assert default_config(128, tuning=tuning, cache_itemsize=1).block_n == 128
+    assert default_config(64, tuning=tuning, cache_itemsize=1).block_n == 128  # no 32 entry
+
+
 @pytest.mark.gpu
 def test_fp8_kernels_bf16_long_context():
     """bf16 queries over an fp8 cache at a real shape (GQA 32/8, head 128, 4k context)."""

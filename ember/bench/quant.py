@@ -2,7 +2,7 @@
 
     python -m ember.bench.quant kernels --out quant_kernels.json
     python -m ember.bench.quant engine --model ember/configs/llama-3.1-8b \\
-        --methods bf16 fp8 fp8-exact-accum fp8-self-quant awq fp8kv --out quant_engine.json
+        --methods bf16 fp8 fp8-exact-accum fp8-self-quant awq fp8kv fp8-fp8kv --out quant_engine.json
 
 ``kernels``: Llama-3.1-8B's projections at 1, 4 and 16 rows and at 256: bf16 cuBLAS, the
 small-batch bf16 kernel, fp8 (per-token quantization + torch._scaled_mm, and up to 16 rows the
@@ -14,8 +14,9 @@ kernel is checked against its dequantized reference first.
 
 ``engine``: one engine per method on dummy weights (AWQ through a temporary config.json carrying
 an AWQ quantization_config; fp8 by quantizing the bf16 dummy weights at load; fp8kv = bf16 with
-kv_cache_dtype="fp8"), each timed on nano-vllm's workload (batched throughput) and at batch 1
-(single-stream decode) and at a few small batches (``--small-batches``). Reports tokens/s, the
+kv_cache_dtype="fp8"; fp8-fp8kv = fp8 weights and the fp8 KV cache), each timed on nano-vllm's
+workload (batched throughput) and at batch 1 (single-stream decode) and at a few small batches
+(``--small-batches``). Reports tokens/s, the
 ratio to bf16, the weight bytes one decode step reads and the fraction of the copy bandwidth
 that batch-1 decode reaches.
 """
@@ -204,9 +205,9 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         path = ns.model
         if method == "awq":
             path = _awq_dir(ns.model)
-        elif method in ("fp8", "fp8-self-quant", "fp8-exact-accum"):
+        if method in ("fp8", "fp8-self-quant", "fp8-exact-accum", "fp8-fp8kv"):
             kw["quantization"] = "fp8"
-        elif method == "fp8kv":
+        if method in ("fp8kv", "fp8-fp8kv"):
             kw["kv_cache_dtype"] = "fp8"
             kw["attention_backend"] = "triton"
         # fp8-self-quant: each fp8 layer quantizes its own input (the norms and SiLU-and-mul
@@ -289,7 +290,8 @@ def main() -> None:
     e = sub.add_parser("engine")
     e.add_argument("--model", default="ember/configs/llama-3.1-8b")
     e.add_argument("--methods", nargs="+", default=["bf16", "fp8", "awq"],
-                   choices=["bf16", "fp8", "fp8-exact-accum", "fp8-self-quant", "awq", "fp8kv"])
+                   choices=["bf16", "fp8", "fp8-exact-accum", "fp8-self-quant", "awq", "fp8kv",
+                            "fp8-fp8kv"])
     e.add_argument("--num-prompts", type=int, default=256)
     e.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
     e.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])

@@ -12,9 +12,11 @@ The grid depends only on the batch size and the split count, and empty splits or
 graph-safe. Tiles and the split policy come from ember.kernels.tuning (per device; the
 ember.bench.attention_kernels and decode_latency benchmarks sweep them).
 
-An fp8 cache holds K / k_scale and V / v_scale (ember.kernels.store_kv): tiles are widened to
-the query's dtype as they are loaded (exact), k_scale is folded into the softmax scale and
-v_scale multiplies the output, so the inner loop does no extra arithmetic.
+An fp8 cache holds K / k_scale and V / v_scale (ember.kernels.store_kv): tiles are widened as
+they are loaded (exact; to float16 for 16-bit queries, ember.kernels.store_kv.widen_fp8_to_f16),
+k_scale is folded into the softmax scale and v_scale multiplies the output, so the inner loop
+does no extra arithmetic. Its tiles are the tables' entry for the same bytes a key (an fp8 head
+of 128 takes a bfloat16 head of 64's tiles: twice the keys a tile).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import triton.language as tl
 
 from ember.kernels.attention_common import NEG_BIG, scaled_scores
 from ember.kernels.launch import cdiv, dot_precision, head_pad, next_power_of_2, num_sms, pdl_options
-from ember.kernels.store_kv import fp8_max, quantize_fp8, soft_fp8
+from ember.kernels.store_kv import fp8_max, quantize_fp8, soft_fp8, widen_fp8_to_f16
 from ember.kernels.tuning import DecodeConfig, DeviceTuning, tuning_for
 
 __all__ = [
@@ -38,10 +40,12 @@ __all__ = [
 
 
 def default_config(head_size: int, split: bool = False, latency: bool = False,
-                   tuning: DeviceTuning | None = None) -> DecodeConfig:
+                   tuning: DeviceTuning | None = None, cache_itemsize: int = 2) -> DecodeConfig:
     """Kernel config for the no-split path, the split path (``split=True``), or a split launch
     with at most one program per SM (``latency=True`` too), from ``tuning`` (default: the
-    default device's tables).
+    default device's tables). The tables are for 16-bit caches; a cache of ``cache_itemsize``
+    bytes an element takes the entry of the head size with the same bytes a key, where there is
+    one.
 
     The split policy (programs_per_sm, min_split_tokens, max_splits) is read from the no-split
     entry, so the choice of splits never depends on the config it then selects.
@@ -51,7 +55,9 @@ def default_config(head_size: int, split: bool = False, latency: bool = False,
         table = tuning.decode
     else:
         table = tuning.decode_latency if latency else tuning.decode_split
-    return table.get(head_pad(head_size), DecodeConfig())
+    pad = head_pad(head_size)
+    same_bytes = table.get(pad * cache_itemsize // 2)
+    return same_bytes or table.get(pad, DecodeConfig())
 
 
 def _wave_efficiency(programs: int, wave: int) -> float:
@@ -153,6 +159,7 @@ def _decode_kernel(
     STORE_NEW: tl.constexpr,
     FP8_MAX: tl.constexpr,  # > 0: an fp8 cache (see the module docstring)
     SOFT_FP8: tl.constexpr,  # round to fp8 in float arithmetic (ember.kernels.store_kv)
+    WIDEN_F16: tl.constexpr,  # an fp8 cache is widened to float16 (see the module docstring)
     PDL: tl.constexpr,
 ):
     if PDL:  # see ember.kernels.launch.pdl_options
@@ -177,6 +184,8 @@ def _decode_kernel(
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if FP8_MAX == 0:  # dots in the cache's dtype; an fp8 cache is widened to q's instead
         q = q.to(cache_ptr.dtype.element_ty)
+    elif WIDEN_F16:
+        q = q.to(tl.float16)
 
     k_base = cache_ptr + kvh * stride_ch
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
@@ -345,12 +354,13 @@ def paged_decode_attention(
         return out
     sms = num_sms(q.device)
     tuning = tuning_for(q.device)
+    itemsize = kv_cache.element_size()
     if num_splits is None:
-        policy = config or default_config(head_size, tuning=tuning)
+        policy = config or default_config(head_size, tuning=tuning, cache_itemsize=itemsize)
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, policy, sms)
     cfg = config or default_config(head_size, split=num_splits > 1,
                                    latency=batch * num_kv_heads * num_splits <= sms,
-                                   tuning=tuning)
+                                   tuning=tuning, cache_itemsize=itemsize)
     group = num_heads // num_kv_heads
     hpad = head_pad(head_size)
     sliding = sliding_window is not None and sliding_window > 0
@@ -417,6 +427,7 @@ def paged_decode_attention(
         DOT_PREC=dot_precision(q.dtype if fp8 else kv_cache.dtype),
         FP8_MAX=fp8,
         SOFT_FP8=soft_fp8(kv_cache),
+        WIDEN_F16=widen_fp8_to_f16(kv_cache.dtype, q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **common,

@@ -9,8 +9,9 @@ One program per (request, kv head, tile of BLOCK_Q query tokens) treats the BLOC
 the query heads of the kv group as the rows of one [BLOCK_M, D] tile (GQA: each K/V tile is loaded
 once for the whole group), and runs a flash-attention online softmax in fp32. Key tiles strictly
 below the chunk's first token need no causal mask; only the diagonal tiles pay for it.
-An fp8 cache is read as ember.kernels.decode_attention reads it: tiles widened to q's dtype,
-k_scale folded into the softmax scale, v_scale applied to the output.
+An fp8 cache is read as ember.kernels.decode_attention reads it: tiles widened (to float16 for
+16-bit queries, ember.kernels.store_kv.widen_fp8_to_f16), k_scale folded into the softmax
+scale, v_scale applied to the output.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import triton.language as tl
 
 from ember.kernels.attention_common import NEG_BIG, scaled_scores
 from ember.kernels.launch import cdiv, dot_precision, head_pad, next_power_of_2
-from ember.kernels.store_kv import FP8_DTYPES
+from ember.kernels.store_kv import FP8_DTYPES, widen_fp8_to_f16
 from ember.kernels.tuning import PrefillConfig, tuning_for
 
 __all__ = ["PrefillConfig", "default_config", "paged_prefill_attention"]
@@ -107,6 +108,7 @@ def _prefill_kernel(
     SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr,
+    WIDEN_F16: tl.constexpr,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -131,6 +133,8 @@ def _prefill_kernel(
     q = tl.load(q_ptrs, mask=io_mask, other=0.0)
     if not KV_FP8:  # dots in the cache's dtype; an fp8 cache is widened to q's instead
         q = q.to(cache_ptr.dtype.element_ty)
+    elif WIDEN_F16:  # ember.kernels.store_kv.widen_fp8_to_f16
+        q = q.to(tl.float16)
     qpos = ctx + tok
 
     # Keys this tile needs: [lo, hi). Tiles wholly below the chunk's first token are unmasked.
@@ -241,6 +245,7 @@ def paged_prefill_attention(
         SOFTCAP=bool(logits_soft_cap),
         DOT_PREC=dot_precision(q.dtype if fp8 else kv_cache.dtype),
         KV_FP8=fp8,
+        WIDEN_F16=widen_fp8_to_f16(kv_cache.dtype, q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
