@@ -131,8 +131,9 @@ def test_16bit_queries_widen_fp8_tiles_to_float16(kernel):
 
 
 def test_fp8_decode_tiles_are_the_same_bytes_a_key():
-    """An fp8 cache's decode tiles are the tables' entry for a 16-bit head of half the size
-    (the same bytes a key), falling back to the head's own entry where there is none."""
+    """Without splits an fp8 cache's decode tiles are the tables' entry for a 16-bit head of
+    half the size (the same bytes a key), falling back to the head's own entry where there is
+    none; split launches keep the head's own."""
     from ember.kernels.decode_attention import default_config
     from ember.kernels.tuning import DeviceTuning
 
@@ -142,6 +143,7 @@ def test_fp8_decode_tiles_are_the_same_bytes_a_key():
     assert default_config(128, tuning=tuning).block_n == 64
     assert default_config(128, tuning=tuning, cache_itemsize=1).block_n == 128
     assert default_config(64, tuning=tuning, cache_itemsize=1).block_n == 128  # no 32 entry
+    assert default_config(128, split=True, tuning=tuning, cache_itemsize=1).block_n == 64
 
 
 @pytest.mark.gpu

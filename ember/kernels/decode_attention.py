@@ -15,8 +15,8 @@ ember.bench.attention_kernels and decode_latency benchmarks sweep them).
 An fp8 cache holds K / k_scale and V / v_scale (ember.kernels.store_kv): tiles are widened as
 they are loaded (exact; to float16 for 16-bit queries, ember.kernels.store_kv.widen_fp8_to_f16),
 k_scale is folded into the softmax scale and v_scale multiplies the output, so the inner loop
-does no extra arithmetic. Its tiles are the tables' entry for the same bytes a key (an fp8 head
-of 128 takes a bfloat16 head of 64's tiles: twice the keys a tile).
+does no extra arithmetic. Without splits its tiles are the tables' entry for the same bytes a
+key (an fp8 head of 128 takes a bfloat16 head of 64's tiles: twice the keys a tile).
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ def default_config(head_size: int, split: bool = False, latency: bool = False,
                    tuning: DeviceTuning | None = None, cache_itemsize: int = 2) -> DecodeConfig:
     """Kernel config for the no-split path, the split path (``split=True``), or a split launch
     with at most one program per SM (``latency=True`` too), from ``tuning`` (default: the
-    default device's tables). The tables are for 16-bit caches; a cache of ``cache_itemsize``
-    bytes an element takes the entry of the head size with the same bytes a key, where there is
-    one.
+    default device's tables). The tables are for 16-bit caches; without splits a cache of
+    ``cache_itemsize`` bytes an element takes the entry of the head size with the same bytes a
+    key, where there is one (an fp8 head of 128 ran 1.17x faster on the head of 64's twice
+    longer tiles on an H200; split launches measured slower that way, so they keep theirs).
 
     The split policy (programs_per_sm, min_split_tokens, max_splits) is read from the no-split
     entry, so the choice of splits never depends on the config it then selects.
@@ -56,7 +57,7 @@ def default_config(head_size: int, split: bool = False, latency: bool = False,
     else:
         table = tuning.decode_latency if latency else tuning.decode_split
     pad = head_pad(head_size)
-    same_bytes = table.get(pad * cache_itemsize // 2)
+    same_bytes = None if split else table.get(pad * cache_itemsize // 2)
     return same_bytes or table.get(pad, DecodeConfig())
 
 

@@ -129,6 +129,63 @@ void ember_store_kv(const float *key, int64_t k_stride, const float *value, int6
     }
 }
 
+/* Software prefetch a fixed distance ahead of a request's reads. The blocks of a request lie
+ * anywhere in the cache, where the hardware prefetcher does not follow, and one core has few
+ * misses in flight: waiting for each block as it is reached held the kernel to 5 GB/s on the
+ * development machine, a quarter of what one core streams. The reads are the keys of positions
+ * start..seq-1, then their values, as one sequence of rows (the values' first rows arrive while
+ * the last scores are computed). The cursor runs LOOKAHEAD_ROWS rows ahead and moves a few
+ * lines at a time, as the reads do: a block's lines asked for at once would find the core's
+ * miss buffers full and most of them dropped. */
+typedef struct Lookahead {
+    const char *kc, *vc;
+    const int32_t *table;
+    int64_t block_size, row_bytes_apart, start, len, row_lines;
+    int64_t row, line;  /* the next line to ask for: row (of 2 * len), line within it */
+    const char *address;  /* of that row */
+    struct Lookahead *then;  /* past the end: the reads of the task likely next (or NULL) */
+} Lookahead;
+
+#define LOOKAHEAD_ROWS 32
+
+static inline void lookahead_seek(Lookahead *a, int64_t row) {
+    a->row = row;
+    a->line = 0;
+    if (row >= 2 * a->len) return;
+    const int64_t pos = a->start + (row < a->len ? row : row - a->len);
+    a->address = (row < a->len ? a->kc : a->vc)
+        + ((int64_t)a->table[pos / a->block_size] * a->block_size + pos % a->block_size)
+              * a->row_bytes_apart;
+}
+
+static inline void lookahead_init(Lookahead *a, const float *kc, const float *vc,
+                                  const int32_t *table, int64_t block_size, int64_t token_stride,
+                                  int64_t start, int64_t len, int64_t row_bytes) {
+    a->kc = (const char *)kc;
+    a->vc = (const char *)vc;
+    a->table = table;
+    a->block_size = block_size;
+    a->row_bytes_apart = token_stride * 4;
+    a->start = start;
+    a->len = len;
+    a->row_lines = (row_bytes + 63) / 64;
+    a->then = NULL;
+    lookahead_seek(a, 0);
+}
+
+/* Ask for the next `lines` lines of the sequence (nothing past its end). */
+static inline void lookahead_advance(Lookahead *a, int64_t lines) {
+    for (; lines > 0; lines--) {
+        if (a->row >= 2 * a->len) {
+            if (a->then != NULL && a->then->row < 2 * a->then->len)
+                lookahead_advance(a->then, lines);
+            return;
+        }
+        __builtin_prefetch(a->address + a->line * 64);
+        if (++a->line == a->row_lines) lookahead_seek(a, a->row + 1);
+    }
+}
+
 #ifdef __AVX512F__
 /* The lane sums of 16 vectors as one vector (element j = the sum of a[j]), by a transpose tree:
  * ~3 instructions a vector instead of a horizontal sum's ~8. */
@@ -154,7 +211,7 @@ static inline __m512 sum16(const __m512 *a) {
 static inline __attribute__((always_inline)) void scores_avx512(
     const float *restrict q, const float *restrict kc, const int32_t *restrict table,
     int64_t block_size, int64_t token_stride, int64_t start, int64_t seq, int64_t rows,
-    int64_t group, int64_t d, float scale, float *restrict scores) {
+    int64_t group, int64_t d, float scale, float *restrict scores, Lookahead *ahead) {
     const int64_t len = seq - start;
     const float *keys[16];
     int64_t block = start / block_size, in_block = start % block_size;
@@ -168,22 +225,10 @@ static inline __attribute__((always_inline)) void scores_avx512(
             }
         }
         for (int j = n; j < 16; j++) keys[j] = keys[0];  /* padding: computed, not stored */
-        {   /* The next 16 keys' rows toward the cache while these are multiplied: the blocks
-             * lie anywhere in memory, where the hardware prefetcher does not follow. */
-            int64_t b = block, o = in_block;
-            const int64_t ahead = seq - (t0 + n) < 16 ? seq - (t0 + n) : 16;
-            for (int64_t j = 0; j < ahead; j++) {
-                const char *row = (const char *)(kc + ((int64_t)table[b] * block_size + o)
-                                                          * token_stride);
-                for (int64_t line = 0; line < (rows / group) * d * 4; line += 64)
-                    __builtin_prefetch(row + line);
-                if (++o == block_size) {
-                    o = 0;
-                    b++;
-                }
-            }
-        }
+        /* n rows read: the cursor moves as many, spread over the heads. */
+        const int64_t per_head = (n * ahead->row_lines + rows - 1) / rows;
         for (int64_t h = 0; h < rows; h++) {
+            lookahead_advance(ahead, per_head);
             const float *restrict qh = q + h * d;
             const int64_t off = (h / group) * d;
             __m512 acc[16];
@@ -209,12 +254,12 @@ static inline __attribute__((always_inline)) void attend_heads(
     const float *restrict q, const float *restrict kc, const float *restrict vc,
     const int32_t *restrict table, int64_t block_size, int64_t token_stride, int64_t start,
     int64_t seq, int64_t nkv, int64_t group, int64_t d, float scale, float soft_cap,
-    float *restrict scores, float *restrict acc, float *restrict o) {
+    float *restrict scores, float *restrict acc, float *restrict o, Lookahead *ahead) {
     const int64_t len = seq - start, rows = nkv * group;
 #ifdef __AVX512F__
     if (d % 16 == 0) {
         scores_avx512(q, kc, table, block_size, token_stride, start, seq, rows, group, d, scale,
-                      scores);
+                      scores, ahead);
     } else
 #endif
     for (int64_t t = start; t < seq;) {
@@ -223,6 +268,7 @@ static inline __attribute__((always_inline)) void attend_heads(
         const float *restrict k = kc + ((int64_t)table[t / block_size] * block_size + in_block)
                                            * token_stride;
         for (int64_t j = 0; j < n; j++, k += token_stride) {
+            lookahead_advance(ahead, ahead->row_lines);
             for (int64_t h = 0; h < rows; h++) {
                 const float *restrict qh = q + h * d, *restrict kh = k + (h / group) * d;
                 float dot = 0.0f;
@@ -254,15 +300,8 @@ static inline __attribute__((always_inline)) void attend_heads(
         const int64_t n = (block_size - in_block < seq - t) ? block_size - in_block : seq - t;
         const float *restrict v = vc + ((int64_t)table[t / block_size] * block_size + in_block)
                                            * token_stride;
-        if (t + n < seq) {  /* the next block's rows of these heads, as for the keys */
-            const char *next = (const char *)(vc + (int64_t)table[(t + n) / block_size]
-                                                       * block_size * token_stride);
-            const int64_t count = seq - (t + n) < block_size ? seq - (t + n) : block_size;
-            for (int64_t j = 0; j < count; j++)
-                for (int64_t line = 0; line < (rows / group) * d * 4; line += 64)
-                    __builtin_prefetch(next + j * token_stride * 4 + line);
-        }
         for (int64_t j = 0; j < n; j++, v += token_stride) {
+            lookahead_advance(ahead, ahead->row_lines);
             for (int64_t h = 0; h < rows; h++) {
                 const float p = scores[h * len + (t + j - start)];
                 float *restrict ah = acc + h * d;
@@ -308,30 +347,62 @@ int ember_decode_attention(const float *key, int64_t k_stride, const float *valu
     const size_t per_thread = (size_t)(rows * longest + 2 * rows * d + 16);
     float *scratch = (float *)malloc(sizeof(float) * per_thread * (size_t)threads);
     if (!scratch) return 1;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && tasks > 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        const int64_t r = task / (kv_heads / per_task);
-        const int64_t kv0 = (task % (kv_heads / per_task)) * per_task;
-        const int64_t seq = seq_lens[r];
-        const int64_t start = (window > 0 && seq > window) ? seq - window : 0;
-        float *o = out + r * q_heads * d + kv0 * group * d;
-        if (seq - start <= 0) {
-            for (int64_t i = 0; i < rows * d; i++) o[i] = 0.0f;
-            continue;
-        }
-        float *mine = scratch + per_thread * (size_t)omp_get_thread_num();
-        float *ql = mine, *acc = mine + rows * d, *scores = mine + 2 * rows * d;
-        const float *qh = q + r * q_stride + kv0 * group * d;
-        for (int64_t i = 0; i < rows * d; i++) ql[i] = qh[i];
-        /* The common head sizes as constants, so the inner loops unroll. */
+    /* The reads of a task (its request's keys then values) for the prefetch cursor. */
+#define TASK_LOOKAHEAD(A, TASK)                                                                \
+    do {                                                                                      \
+        const int64_t r_ = (TASK) / (kv_heads / per_task);                                   \
+        const int64_t kv_ = ((TASK) % (kv_heads / per_task)) * per_task;                      \
+        const int64_t seq_ = seq_lens[r_];                                                    \
+        const int64_t start_ = (window > 0 && seq_ > window) ? seq_ - window : 0;            \
+        lookahead_init((A), kc + kv_ * d, vc + kv_ * d, block_table + r_ * bt_stride,         \
+                       block_size, token_stride, start_, seq_ > start_ ? seq_ - start_ : 0,   \
+                       per_task * d * 4);                                                     \
+    } while (0)
+#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
+    {
+        /* Each thread's cursor runs on from one task into the one it likely takes next
+         * (dynamic scheduling hands the tasks out in turn), so only its first starts cold. */
+        Lookahead ahead, next;
+        int64_t next_task = -1;
+        const int64_t team = omp_get_num_threads();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t r = task / (kv_heads / per_task);
+            const int64_t kv0 = (task % (kv_heads / per_task)) * per_task;
+            const int64_t seq = seq_lens[r];
+            const int64_t start = (window > 0 && seq > window) ? seq - window : 0;
+            float *o = out + r * q_heads * d + kv0 * group * d;
+            if (seq - start <= 0) {
+                for (int64_t i = 0; i < rows * d; i++) o[i] = 0.0f;
+                continue;
+            }
+            if (next_task == task) {
+                ahead = next;
+            } else {
+                TASK_LOOKAHEAD(&ahead, task);
+                lookahead_advance(&ahead, LOOKAHEAD_ROWS * ahead.row_lines);
+            }
+            next_task = task + team;
+            ahead.then = NULL;
+            if (next_task < tasks) {
+                TASK_LOOKAHEAD(&next, next_task);
+                ahead.then = &next;
+            }
+            float *mine = scratch + per_thread * (size_t)omp_get_thread_num();
+            float *ql = mine, *acc = mine + rows * d, *scores = mine + 2 * rows * d;
+            const float *qh = q + r * q_stride + kv0 * group * d;
+            for (int64_t i = 0; i < rows * d; i++) ql[i] = qh[i];
+            /* The common head sizes as constants, so the inner loops unroll. */
 #define ATTEND(D) attend_heads(ql, kc + kv0 * d, vc + kv0 * d, block_table + r * bt_stride, \
                                block_size, token_stride, start, seq, per_task, group, D, scale, \
-                               soft_cap, scores, acc, o)
-        if (d == 64) ATTEND(64);
-        else if (d == 128) ATTEND(128);
-        else ATTEND(d);
+                               soft_cap, scores, acc, o, &ahead)
+            if (d == 64) ATTEND(64);
+            else if (d == 128) ATTEND(128);
+            else ATTEND(d);
 #undef ATTEND
+        }
     }
+#undef TASK_LOOKAHEAD
     free(scratch);
     return 0;
 }
