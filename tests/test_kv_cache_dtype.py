@@ -108,5 +108,8 @@ def test_fp8_kv_cache_bf16_logit_error(tmp_path, monkeypatch):
     exact, err = _compare(path, "bfloat16", 16, monkeypatch)
     print(f"fp8 KV vs bf16 KV (bf16 model): max prompt-logprob error {err:.4f} (against "
           f"rounded K/V: {exact:.2e})")
-    assert exact < 2e-2
-    assert 0.0 < err < 1.0
+    # With the same bfloat16 arithmetic as the reference this was below 2e-2; computing in
+    # float16 (widen_fp8_to_f16) the two part by 0.178 nats on an H200, still well inside the
+    # error fp8 itself costs (0.498 there).
+    assert exact < 0.25
+    assert exact < err < 1.0
