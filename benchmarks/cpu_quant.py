@@ -10,13 +10,16 @@ figure is the 32 requests run back to back.
 
 Variant ``kernel`` (and ``kernel-base``) times ember's quantized CPU kernel alone instead: one
 ``quant_linear`` call at each of the default model's layer shapes and 1, 4, 32 and 128 rows
-(microseconds, the median of repeated calls).
+(microseconds, the median of repeated calls). Variant ``attention`` times the CPU decode
+attention alone at the batch's decode shape: 32 requests of 160 keys in the default model's
+heads (9 query / 3 kv heads of 64), 16-token blocks scattered over 30 layers' caches of their
+own (so the keys come from memory, as in a step), a call a layer.
 
     python benchmarks/cpu_quant.py [--llamacpp-python /tmp/llamacpp-venv/bin/python]
         [--threads 2] [--only ember-quant,ember-float,hf,llamacpp] [--json out.json]
         [--baseline-src /tmp/base --only ember-quant-base,ember-quant,...]
     python benchmarks/cpu_quant.py --threads 1 --baseline-src /tmp/base \
-        --only kernel-base,kernel,kernel-base,kernel
+        --only kernel-base,kernel,kernel-base,kernel   (or attention-base,attention,...)
 """
 
 from __future__ import annotations
@@ -173,6 +176,35 @@ def run_kernel() -> dict:
     return {"kernel_us": result}
 
 
+def run_attention() -> dict:
+    import statistics
+
+    import torch
+
+    from ember.kernels.cpu import layer_ops
+
+    generator = torch.Generator().manual_seed(0)
+    reqs, q_heads, kv_heads, head, block, keys, layers = 32, 9, 3, 64, 16, 160, 30
+    num_blocks = 3000
+    caches = [torch.randn(2, num_blocks, block, kv_heads, head, generator=generator)
+              for _ in range(layers)]
+    per_req = -(-keys // block)
+    table = torch.randperm(num_blocks, generator=generator)[: reqs * per_req]
+    table = table.to(torch.int32).view(reqs, per_req)
+    seq_lens = torch.full((reqs,), keys, dtype=torch.int32)
+    q = torch.randn(reqs, q_heads, head, generator=generator)
+    out = torch.empty(reqs, q_heads * head)
+    times = []
+    for _ in range(12):
+        t0 = time.perf_counter()
+        for cache in caches:
+            layer_ops.decode_attention(q, cache, table, seq_lens, out, head**-0.5, None, None)
+        times.append((time.perf_counter() - t0) / layers)
+    kv_bytes = 2 * reqs * keys * kv_heads * head * 4
+    call = statistics.median(times[2:])
+    return {"attention_us": call * 1e6, "attention_gb_s": kv_bytes / call / 1e9}
+
+
 def _child(variant: str, args: argparse.Namespace) -> dict:
     """Run one variant in a fresh interpreter and return its JSON line."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), EMBER_DISABLE_PROGRESS="1")
@@ -214,6 +246,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         if args.child == "kernel":
             result = run_kernel()
+        elif args.child == "attention":
+            result = run_attention()
         else:
             result = run_hf() if args.child == "hf" else run_ember(
                 None if args.child == "ember-quant" else "none")
@@ -238,6 +272,9 @@ def main() -> None:
             print(f"{variant:<12} us a call at {'/'.join(map(str, KERNEL_ROWS))} rows: " + "  ".join(
                 f"{name} {'/'.join(f'{us:.0f}' for us in by_rows.values())}"
                 for name, by_rows in r["kernel_us"].items()))
+        elif "attention_us" in r:
+            print(f"{variant:<12} decode attention {r['attention_us']:.0f} us a layer "
+                  f"({r['attention_gb_s']:.1f} GB/s of keys and values)")
         elif "error" in r:
             print(f"{variant:<12} error: {r['error']}")
         else:
