@@ -9,6 +9,9 @@ context + q + out) / median time (triton.testing.do_bench, which flushes L2 betw
 
     python -m ember.bench.attention_kernels --out decode.json     # default sweep
     python -m ember.bench.attention_kernels --quick               # defaults only
+    python -m ember.bench.attention_kernels --quick --cache-dtype fp8 --block-sizes 16
+``--cache-dtype fp8`` times the kernel over a float8_e4m3fn cache (the random cache rounded;
+checked against SDPA over its dequantized values; bandwidth counts its bytes; no FlashInfer).
 Put the best config printed at the end into the device's decode tables (ember.kernels.tuning).
 """
 
@@ -43,8 +46,8 @@ def make_case(batch: int, ctx: int, block_size: int, seed: int = 0):
     return q, cache, seq_lens, block_table
 
 
-def bytes_moved(batch: int, ctx: int) -> int:
-    kv = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * 2
+def bytes_moved(batch: int, ctx: int, cache_itemsize: int = 2) -> int:
+    kv = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * cache_itemsize
     return kv + 2 * batch * NUM_HEADS * HEAD_SIZE * 2  # + q read + out written
 
 
@@ -132,8 +135,12 @@ def bench_shape(batch, ctx, bs, copy_tbs, sms, args, rows, best) -> None:
     from ember.kernels.tuning import tuning_for
 
     q, cache, seq_lens, block_table = make_case(batch, ctx, bs)
+    reference = cache  # what SDPA checks against: the cache's values
+    if args.cache_dtype == "fp8":
+        cache = cache.to(torch.float8_e4m3fn)
+        reference = cache.to(torch.bfloat16)
     scale = HEAD_SIZE**-0.5
-    nbytes = bytes_moved(batch, ctx)
+    nbytes = bytes_moved(batch, ctx, cache.element_size())
     shape = f"B{batch}xL{ctx}/bs{bs}"
     auto = choose_num_splits(batch, NUM_KV_HEADS, ctx, default_config(HEAD_SIZE, tuning=tuning_for(q.device)),
                              sms)
@@ -142,7 +149,7 @@ def bench_shape(batch, ctx, bs, copy_tbs, sms, args, rows, best) -> None:
     def measure(name, make):
         try:
             fn = make()
-            err = sdpa_check(fn(), q, cache, seq_lens, block_table, scale)
+            err = sdpa_check(fn(), q, reference, seq_lens, block_table, scale)
             if not err < 2e-2:
                 raise AssertionError(f"max error {err:.3g} vs SDPA")
             ms = bench_ms(fn)
@@ -172,6 +179,8 @@ def bench_shape(batch, ctx, bs, copy_tbs, sms, args, rows, best) -> None:
     _, top_name, top_cfg = max(results, key=lambda t: t[0])
     for splits in split_choices(batch, args.quick, args.splits):
         ember(top_name, top_cfg, splits)
+    if args.cache_dtype != "bf16":
+        return  # FlashInfer is timed over the bf16 cache only
     try:
         import flashinfer  # noqa: F401
     except ImportError:
@@ -190,6 +199,7 @@ def main() -> None:
     ap.add_argument("--block-sizes", default="16,64", help="cache block sizes to test")
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES),
                     help="BATCHxCONTEXT list, e.g. 64x4096,8x32768,1x131072")
+    ap.add_argument("--cache-dtype", default="bf16", choices=["bf16", "fp8"])
     ap.add_argument("--splits", default=None,
                     help="split counts to time for the best config, e.g. 1,2,4 (default: a sweep)")
     args = ap.parse_args()
