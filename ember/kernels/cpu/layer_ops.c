@@ -135,8 +135,10 @@ void ember_store_kv(const float *key, int64_t k_stride, const float *value, int6
  * development machine, a quarter of what one core streams. The reads are the keys of positions
  * start..seq-1, then their values, as one sequence of rows (the values' first rows arrive while
  * the last scores are computed). The cursor runs LOOKAHEAD_ROWS rows ahead and moves a few
- * lines at a time, as the reads do: a block's lines asked for at once would find the core's
- * miss buffers full and most of them dropped. */
+ * lines at a time, as the reads do, asking for each line into L2 (locality 2: prefetcht1 on
+ * x86), not L1, whose few miss buffers then stay free for the reads themselves: the next
+ * block's lines asked for into L1 all at once, as before, ran at 5 GB/s; this cursor into L1
+ * at 6-7.5, into L2 at 9.5-11 (benchmarks/cpu_quant.py, attention). */
 typedef struct Lookahead {
     const char *kc, *vc;
     const int32_t *table;
@@ -181,7 +183,7 @@ static inline void lookahead_advance(Lookahead *a, int64_t lines) {
                 lookahead_advance(a->then, lines);
             return;
         }
-        __builtin_prefetch(a->address + a->line * 64);
+        __builtin_prefetch(a->address + a->line * 64, 0, 2);
         if (++a->line == a->row_lines) lookahead_seek(a, a->row + 1);
     }
 }
