@@ -45,7 +45,7 @@ def default_config(head_size: int, split: bool = False, latency: bool = False,
     with at most one program per SM (``latency=True`` too), from ``tuning`` (default: the
     default device's tables). The tables are for 16-bit caches; without splits a cache of
     ``cache_itemsize`` bytes an element takes the entry of the head size with the same bytes a
-    key, where there is one (an fp8 head of 128 ran 1.17x faster on the head of 64's twice
+    key, where there is one (an fp8 head of 128 ran 4-28% faster on the head of 64's twice
     longer tiles on an H200; split launches measured slower that way, so they keep theirs).
 
     The split policy (programs_per_sm, min_split_tokens, max_splits) is read from the no-split
