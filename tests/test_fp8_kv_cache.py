@@ -102,7 +102,6 @@ def test_prefill_reads_fp8_cache():
                                atol=1e-4, rtol=1e-4)
 
 
-
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
 def test_16bit_queries_widen_fp8_tiles_to_float16(kernel):
     """bf16 queries over an fp8 cache: the tiles are widened to float16 and the dots run in

@@ -16,9 +16,8 @@ kernel is checked against its dequantized reference first.
 an AWQ quantization_config; fp8 by quantizing the bf16 dummy weights at load; fp8kv = bf16 with
 kv_cache_dtype="fp8"; fp8-fp8kv = fp8 weights and the fp8 KV cache), each timed on nano-vllm's
 workload (batched throughput) and at batch 1 (single-stream decode) and at a few small batches
-(``--small-batches``). Reports tokens/s, the
-ratio to bf16, the weight bytes one decode step reads and the fraction of the copy bandwidth
-that batch-1 decode reaches.
+(``--small-batches``). Reports tokens/s, the ratio to bf16, the weight bytes one decode step
+reads and the fraction of the copy bandwidth that batch-1 decode reaches.
 """
 
 from __future__ import annotations
