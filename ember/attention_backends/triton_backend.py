@@ -29,19 +29,23 @@ SPLIT_WORKSPACE = "triton.decode_split_workspace"
 # Cached: every layer asks the same question each step, and the answers are pure functions.
 @functools.lru_cache(maxsize=1024)
 def _num_splits(batch: int, num_kv_heads: int, head_size: int, max_seq_len: int | None,
-                device: torch.device) -> int:
+                device: torch.device, cache_itemsize: int = 2) -> int:
+    """The splits paged_decode_attention would choose itself for this batch over a cache of
+    ``cache_itemsize`` bytes an element (the same policy entry)."""
     decode = kernels.decode_attention
-    policy = decode.default_config(head_size, tuning=kernels.tuning.tuning_for(device))
+    policy = decode.default_config(head_size, tuning=kernels.tuning.tuning_for(device),
+                                   cache_itemsize=cache_itemsize)
     return decode.choose_num_splits(batch, num_kv_heads, max_seq_len, policy,
                                     kernels.launch.num_sms(device))
 
 
 @functools.lru_cache(maxsize=64)
 def _graph_workspace_numel(graph_batch: int, num_heads: int, num_kv_heads: int, head_size: int,
-                           device: torch.device) -> int:
+                           device: torch.device, cache_itemsize: int) -> int:
     return max(
-        kernels.decode_attention.decode_workspace_numel(b, num_heads, head_size,
-                               _num_splits(b, num_kv_heads, head_size, None, device))
+        kernels.decode_attention.decode_workspace_numel(
+            b, num_heads, head_size,
+            _num_splits(b, num_kv_heads, head_size, None, device, cache_itemsize))
         for b in range(1, graph_batch + 1)
     )
 
@@ -54,10 +58,13 @@ class TritonImpl(AttentionImpl):
     k_scale: float = 1.0
     v_scale: float = 1.0
 
-    def _decode_splits(self, batch: int, max_seq_len: int | None, device: torch.device) -> int:
-        return _num_splits(batch, self.num_kv_heads, self.head_size, max_seq_len, device)
+    def _decode_splits(self, batch: int, max_seq_len: int | None, device: torch.device,
+                       cache_itemsize: int) -> int:
+        return _num_splits(batch, self.num_kv_heads, self.head_size, max_seq_len, device,
+                           cache_itemsize)
 
-    def _workspace(self, batch: int, num_splits: int, device: torch.device) -> torch.Tensor | None:
+    def _workspace(self, batch: int, num_splits: int, device: torch.device,
+                   cache_itemsize: int) -> torch.Tensor | None:
         if num_splits == 1:
             return None
         need = kernels.decode_attention.decode_workspace_numel(batch, self.num_heads,
@@ -66,7 +73,8 @@ class TritonImpl(AttentionImpl):
         if graph_batch:
             # Sized once for every graph batch size, so capture never has to grow the buffer.
             need = max(need, _graph_workspace_numel(graph_batch, self.num_heads,
-                                                    self.num_kv_heads, self.head_size, device))
+                                                    self.num_kv_heads, self.head_size, device,
+                                                    cache_itemsize))
         return TritonBackend.workspace(need, device)
 
     def forward(
@@ -104,7 +112,8 @@ class TritonImpl(AttentionImpl):
             # (enforce_eager, or batches past the largest graph) choose the same way, so they
             # round exactly as replays do and give the same tokens.
             max_seq_len = None if num_reqs == num_decodes else metadata.max_seq_len
-            splits = self._decode_splits(num_decodes, max_seq_len, query.device)
+            itemsize = kv_cache.element_size()
+            splits = self._decode_splits(num_decodes, max_seq_len, query.device, itemsize)
             kernels.decode_attention.paged_decode_attention(
                 q[:num_decodes],
                 kv_cache,
@@ -115,7 +124,7 @@ class TritonImpl(AttentionImpl):
                 out3[:num_decodes],
                 num_splits=splits,
                 logits_soft_cap=cap,
-                workspace=self._workspace(num_decodes, splits, query.device),
+                workspace=self._workspace(num_decodes, splits, query.device, itemsize),
                 new_kv=(k[:num_decodes], v[:num_decodes], metadata.slot_mapping[:num_decodes]),
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,

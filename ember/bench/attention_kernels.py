@@ -142,8 +142,9 @@ def bench_shape(batch, ctx, bs, copy_tbs, sms, args, rows, best) -> None:
     scale = HEAD_SIZE**-0.5
     nbytes = bytes_moved(batch, ctx, cache.element_size())
     shape = f"B{batch}xL{ctx}/bs{bs}"
-    auto = choose_num_splits(batch, NUM_KV_HEADS, ctx, default_config(HEAD_SIZE, tuning=tuning_for(q.device)),
-                             sms)
+    policy = default_config(HEAD_SIZE, tuning=tuning_for(q.device),
+                            cache_itemsize=cache.element_size())
+    auto = choose_num_splits(batch, NUM_KV_HEADS, ctx, policy, sms)
     print(f"\n== {shape}: {nbytes / 1e9:.2f} GB per call, auto splits = {auto}", flush=True)
 
     def measure(name, make):

@@ -150,6 +150,21 @@ typedef struct Lookahead {
 
 #define LOOKAHEAD_ROWS 32
 
+/* A decode-attention task: its request, its first kv head and its keys [start, seq). */
+typedef struct TaskSpan {
+    int64_t req, kv0, start, seq;
+} TaskSpan;
+
+static inline TaskSpan task_span(int64_t task, int64_t tasks_per_req, int64_t per_task,
+                                 const int32_t *seq_lens, int64_t window) {
+    TaskSpan span;
+    span.req = task / tasks_per_req;
+    span.kv0 = (task % tasks_per_req) * per_task;
+    span.seq = seq_lens[span.req];
+    span.start = (window > 0 && span.seq > window) ? span.seq - window : 0;
+    return span;
+}
+
 static inline void lookahead_seek(Lookahead *a, int64_t row) {
     a->row = row;
     a->line = 0;
@@ -349,16 +364,13 @@ int ember_decode_attention(const float *key, int64_t k_stride, const float *valu
     const size_t per_thread = (size_t)(rows * longest + 2 * rows * d + 16);
     float *scratch = (float *)malloc(sizeof(float) * per_thread * (size_t)threads);
     if (!scratch) return 1;
-    /* The reads of a task (its request's keys then values) for the prefetch cursor. */
-#define TASK_LOOKAHEAD(A, TASK)                                                                \
+    const int64_t tasks_per_req = kv_heads / per_task;
+    /* The prefetch cursor over a task's reads: its request's keys, then its values. */
+#define TASK_LOOKAHEAD(A, SPAN)                                                               \
     do {                                                                                      \
-        const int64_t r_ = (TASK) / (kv_heads / per_task);                                   \
-        const int64_t kv_ = ((TASK) % (kv_heads / per_task)) * per_task;                      \
-        const int64_t seq_ = seq_lens[r_];                                                    \
-        const int64_t start_ = (window > 0 && seq_ > window) ? seq_ - window : 0;            \
-        lookahead_init((A), kc + kv_ * d, vc + kv_ * d, block_table + r_ * bt_stride,         \
-                       block_size, token_stride, start_, seq_ > start_ ? seq_ - start_ : 0,   \
-                       per_task * d * 4);                                                     \
+        const TaskSpan s_ = (SPAN);                                                           \
+        lookahead_init((A), kc + s_.kv0 * d, vc + s_.kv0 * d, block_table + s_.req * bt_stride, \
+                       block_size, token_stride, s_.start, s_.seq - s_.start, per_task * d * 4); \
     } while (0)
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
     {
@@ -369,10 +381,8 @@ int ember_decode_attention(const float *key, int64_t k_stride, const float *valu
         const int64_t team = omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t r = task / (kv_heads / per_task);
-            const int64_t kv0 = (task % (kv_heads / per_task)) * per_task;
-            const int64_t seq = seq_lens[r];
-            const int64_t start = (window > 0 && seq > window) ? seq - window : 0;
+            const TaskSpan span = task_span(task, tasks_per_req, per_task, seq_lens, window);
+            const int64_t r = span.req, kv0 = span.kv0, seq = span.seq, start = span.start;
             float *o = out + r * q_heads * d + kv0 * group * d;
             if (seq - start <= 0) {
                 for (int64_t i = 0; i < rows * d; i++) o[i] = 0.0f;
@@ -381,13 +391,14 @@ int ember_decode_attention(const float *key, int64_t k_stride, const float *valu
             if (next_task == task) {
                 ahead = next;
             } else {
-                TASK_LOOKAHEAD(&ahead, task);
+                TASK_LOOKAHEAD(&ahead, span);
                 lookahead_advance(&ahead, LOOKAHEAD_ROWS * ahead.row_lines);
             }
             next_task = task + team;
             ahead.then = NULL;
             if (next_task < tasks) {
-                TASK_LOOKAHEAD(&next, next_task);
+                TASK_LOOKAHEAD(&next,
+                               task_span(next_task, tasks_per_req, per_task, seq_lens, window));
                 ahead.then = &next;
             }
             float *mine = scratch + per_thread * (size_t)omp_get_thread_num();
