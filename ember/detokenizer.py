@@ -16,6 +16,12 @@ later token, and emitted text cannot be taken back. `output_text_delta()` theref
 last `max_stop_len - 1` characters until they can no longer start a stop string (more text came,
 a stop matched, or `finish()` was called). Its results concatenate to exactly the final `.text`.
 
+Fast tokenizers (a `tokenizers` backend, no transformers clean-up of the decoded text) decode
+through `tokenizers`' DecodeStream, which runs the same window in native code: one call a token,
+where the window's two `tokenizer.decode` calls cost ~6 us of Python a token (the front end's
+largest cost in host-bound runs). The window above stays for flushing an unfinished character,
+for `spaces_between_special_tokens` with special tokens kept, and for other tokenizers.
+
 Typical use by the engine, once per step:
     detok.append(new_ids)                 # returns the raw new text (not held back)
     if detok.stop_string_hit is not None: finish the request (reason "stop")
@@ -77,6 +83,11 @@ class IncrementalDetokenizer:
         self.stop_string_hit: str | None = None
         self.finished = False
         self._output_offset = 0  # how much of .text output_text_delta() has handed out
+        # DecodeStream (module docstring), primed with the context so that the first generated
+        # token decodes as it would after it; None where the window decodes instead.
+        self._stream = None if self._spaced else _decode_stream(tokenizer, skip_special_tokens)
+        if self._stream is not None and not self._prime(context):
+            self._stream = None
 
     # -- decoding -----------------------------------------------------------------------------
 
@@ -98,8 +109,30 @@ class IncrementalDetokenizer:
             parts.append(self.tokenizer.decode(run, skip_special_tokens=False))
         return " ".join(parts)
 
+    def _prime(self, context: list[int]) -> bool:
+        """Feed the context to the stream (its text is not output); False when the stream fails,
+        so the window decodes instead."""
+        stream, backend = self._stream
+        try:
+            for token_id in context:
+                stream.step(backend, token_id)
+        except Exception:
+            return False
+        return True
+
     def _advance(self, flush: bool) -> str:
         """Text the window's unread tokens add; '' while it ends in an unfinished char."""
+        if self._stream is not None and not flush:
+            stream, backend = self._stream
+            try:
+                piece = stream.step(backend, self._ids[-1])
+            except Exception:  # a prefix the stream cannot continue: the window takes over
+                self._stream = None
+                return self._advance(flush)
+            if piece is None:
+                return ""
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return piece
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text):
@@ -172,6 +205,27 @@ class IncrementalDetokenizer:
         delta = self.text[self._output_offset : end]
         self._output_offset = end
         return delta
+
+
+def _decode_stream(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> tuple | None:
+    """(DecodeStream, the backend it decodes with) for a fast tokenizer whose decode is its
+    backend's as it is; None otherwise (a tokenizer that cleans up spaces, or has no backend)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    if not isinstance(backend, Tokenizer) or not isinstance(tokenizer, PreTrainedTokenizerFast):
+        return None
+    kind = type(tokenizer)
+    if kind.decode is not PreTrainedTokenizerFast.decode or \
+            kind._decode is not PreTrainedTokenizerFast._decode:
+        return None  # decodes its own way
+    return DecodeStream(skip_special_tokens=skip_special_tokens), backend
 
 
 def _special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -1,5 +1,6 @@
 """IncrementalDetokenizer: streamed text equals a full decode, stop strings cut exactly, and the
-held-back stream concatenates to the final text.
+held-back stream concatenates to the final text; through both decoders (tokenizers' DecodeStream
+and the window of two decodes), and the stream for the tokenizers it serves.
 
 Two tokenizers: the default model's (byte-level BPE, from its GGUF) and a small sentencepiece-style
 one (Metaspace + byte fallback) trained here, for the leading-space and byte-fallback cases.
@@ -12,6 +13,7 @@ import random
 
 import pytest
 
+from ember import detokenizer
 from ember.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
@@ -19,6 +21,14 @@ TEXTS = [
     "  leading  spaces\n\ttabs\r\nand a 🇫🇷 flag, a family 👨‍👩‍👧 and ḁ̶̢ combining marks",
     "<|im_start|>user\nHi 😀<|im_end|>\n<|im_start|>assistant\nParis.<|im_end|>",
 ]
+
+
+@pytest.fixture(autouse=True, params=["stream", "window"])
+def decoder(request, monkeypatch):
+    """Every test through each decoder: the window alone where the stream is turned off."""
+    if request.param == "window":
+        monkeypatch.setattr(detokenizer, "_decode_stream", lambda *args: None)
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -244,3 +254,44 @@ def test_random_stop_strings_stream_consistently(tok):
         first = full.index(stop)
         assert detok.text == full[: first + (len(stop) if include else 0)]
         assert streamed == detok.text
+
+
+# ---- which decoder ---------------------------------------------------------------------------
+
+
+def test_decoder_choice(tok, spm_tok, decoder, monkeypatch):
+    if decoder == "window":
+        pytest.skip("about the stream")
+    assert IncrementalDetokenizer(tok)._stream is not None
+    assert IncrementalDetokenizer(spm_tok, skip_special_tokens=False,
+                                  spaces_between_special_tokens=False)._stream is not None
+    # vLLM's spaces around kept special tokens, and transformers' clean-up of the decoded text,
+    # are not the backend's decode: the window does them.
+    assert IncrementalDetokenizer(tok, skip_special_tokens=False)._stream is None
+    monkeypatch.setattr(tok, "clean_up_tokenization_spaces", True)
+    assert IncrementalDetokenizer(tok)._stream is None
+
+
+def test_stream_failure_hands_over_to_the_window(tok, decoder):
+    if decoder == "window":
+        pytest.skip("about the stream")
+
+    class Failing:
+        def __init__(self, stream, fail_at):
+            self.stream, self.calls, self.fail_at = stream, 0, fail_at
+
+        def step(self, backend, token_id):
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise Exception("Invalid prefix encountered")
+            return self.stream.step(backend, token_id)
+
+    prompt = tok("Say:").input_ids
+    ids = tok(SENTENCE + " 🦀 done").input_ids
+    expected = tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+    for fail_at in range(1, len(prompt) + len(ids) + 1):
+        detok = IncrementalDetokenizer(tok, prompt)
+        if detok._stream is not None:
+            detok._stream = (Failing(*detok._stream), detok._stream[1])
+        streamed = "".join(detok.append([i]) for i in ids) + detok.finish()
+        assert streamed == detok.text == expected, fail_at
