@@ -56,3 +56,21 @@ def test_masked_greedy_on_host_equals_masking_every_row(dtype, seed):
     got = masks.masked_greedy_on_host(logits.clone(), rows, grammar)
     assert got.tolist() == expected.tolist()
     assert got[0] == 7 and got[3] == argmax[3] and got[6] == argmax[6]
+
+
+def test_bitmask_rows_in_order_and_not():
+    """Every row under a grammar in the scheduler's order maps row i to bitmask row i (the
+    masked-argmax kernel then reads no row map); any other layout goes through the map."""
+    from ember.worker.grammar_mask import rows_in_order
+
+    rows = [SimpleNamespace(req_id=f"r{i}") for i in range(4)]
+    bits = torch.zeros(4, 2, dtype=torch.int32)
+    in_order = GrammarBitmask(["r0", "r1", "r2", "r3"], bits)
+    assert rows_in_order(rows, in_order)
+    assert bitmask_rows(rows, in_order).tolist() == [0, 1, 2, 3]
+    swapped = GrammarBitmask(["r1", "r0", "r2", "r3"], bits)
+    assert not rows_in_order(rows, swapped)
+    assert bitmask_rows(rows, swapped).tolist() == [1, 0, 2, 3]
+    fewer = GrammarBitmask(["r0", "r2"], bits[:2])
+    assert not rows_in_order(rows, fewer)
+    assert bitmask_rows(rows, fewer).tolist() == [0, -1, 1, -1]

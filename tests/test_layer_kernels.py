@@ -415,3 +415,11 @@ def test_masked_argmax_rows_matches_torch():
     assert want[0] == 100 and want[1] == 9_000 and want[3] == 0
     got = argmax_rows(logits, bitmask.to(DEV), mask_rows.to(DEV))
     assert torch.equal(got.cpu(), want.cpu())
+    # Every row masked in order (no row map): row i takes bitmask row i.
+    in_order = bitmask[[1, 0, 2]].clone()
+    ref = logits.cpu()[:3].clone()
+    for row in range(3):
+        ref[row] = ref[row].masked_fill(~unpack_bitmask(in_order[row:row + 1], vocab)[0],
+                                        float("-inf"))
+    got = argmax_rows(logits[:3], in_order.to(DEV))
+    assert torch.equal(got.cpu(), ref.argmax(dim=-1).cpu())

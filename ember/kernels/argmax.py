@@ -23,7 +23,8 @@ CHUNK = 4096  # vocabulary entries per program
 @triton.jit
 def _argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, counters_ptr, out_ptr, n_cols, stride_x,
                    num_chunks, mask_ptr, mask_rows_ptr, mask_words, stride_m,
-                   CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, HAS_MASK: tl.constexpr):
+                   CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, HAS_MASK: tl.constexpr,
+                   ROWS_IN_ORDER: tl.constexpr):
     # Grid (rows, chunks): each program finds its chunk's max and first index of it; the last
     # program of a row to finish (an atomic count per row, no second kernel) picks the winner
     # (largest value, then smallest index: torch's first-occurrence rule) and resets the count.
@@ -33,7 +34,10 @@ def _argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, counters_ptr, out_ptr, n_c
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < n_cols,
                 other=float("-inf")).to(tl.float32)
     if HAS_MASK:  # mask_rows[row]: this row's bitmask row, -1 for none (every token allowed)
-        mask_row = tl.load(mask_rows_ptr + row)
+        if ROWS_IN_ORDER:
+            mask_row = row
+        else:
+            mask_row = tl.load(mask_rows_ptr + row)
         if mask_row >= 0:
             word = offs // 32
             bits = tl.load(mask_ptr + mask_row.to(tl.int64) * stride_m + word,
@@ -61,12 +65,15 @@ def argmax_rows(x: torch.Tensor, bitmask: torch.Tensor | None = None,
     ``bitmask`` (int32 [B, words], bit j of word w allowing token 32w + j) and ``mask_rows``
     (int32 [rows]: the bitmask row of each row, -1 for none), a masked row's argmax is over
     its allowed tokens only (tokens past the bitmask are disallowed), as torch's argmax of the
-    logits with the others at -inf."""
+    logits with the others at -inf. ``mask_rows=None`` with a bitmask: row i takes bitmask row
+    i (every row masked, in order: no row map to copy to the device)."""
     rows, n_cols = x.shape
     assert x.stride(-1) == 1
     has_mask = bitmask is not None
+    in_order = has_mask and mask_rows is None
     if has_mask:
-        assert mask_rows is not None and mask_rows.shape == (rows,)
+        assert in_order or mask_rows.shape == (rows,)
+        assert not in_order or bitmask.shape[0] >= rows
         assert bitmask.dtype == torch.int32 and bitmask.stride(-1) == 1
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
@@ -76,8 +83,9 @@ def argmax_rows(x: torch.Tensor, bitmask: torch.Tensor | None = None,
     part_idx = torch.empty(rows * num_chunks, dtype=torch.int32, device=x.device)
     _argmax_kernel[(rows, num_chunks)](
         x, part_val, part_idx, merge_counters(rows, x.device), out, n_cols, x.stride(0), num_chunks,
-        bitmask if has_mask else out, mask_rows if has_mask else out,
+        bitmask if has_mask else out, mask_rows if mask_rows is not None else out,
         bitmask.shape[1] if has_mask else 0, bitmask.stride(0) if has_mask else 0,
-        CHUNK=CHUNK, CHUNKS_PAD=next_power_of_2(num_chunks), HAS_MASK=has_mask, num_warps=8,
+        CHUNK=CHUNK, CHUNKS_PAD=next_power_of_2(num_chunks), HAS_MASK=has_mask,
+        ROWS_IN_ORDER=in_order, num_warps=8,
     )
     return out

@@ -28,8 +28,16 @@ if TYPE_CHECKING:
     from ember.worker.input_batch import CachedRequestState
 
 
+def rows_in_order(rows: list[CachedRequestState], grammar: GrammarBitmask) -> bool:
+    """Whether logits row i takes bitmask row i for every row (every row under a grammar, in
+    the scheduler's order: the common case, a list comparison instead of a row map)."""
+    return len(rows) == len(grammar.req_ids) and [s.req_id for s in rows] == grammar.req_ids
+
+
 def bitmask_rows(rows: list[CachedRequestState], grammar: GrammarBitmask) -> np.ndarray:
     """int32 [len(rows)]: each logits row's bitmask row, -1 for rows without a grammar."""
+    if rows_in_order(rows, grammar):
+        return np.arange(len(rows), dtype=np.int32)
     index = {state.req_id: i for i, state in enumerate(rows)}
     mask_rows = np.full(len(rows), -1, dtype=np.int32)
     for j, req_id in enumerate(grammar.req_ids):
@@ -117,6 +125,9 @@ class GrammarMasks:
                       grammar: GrammarBitmask) -> torch.Tensor:
         """Greedy ids under the grammar rows' bitmask (ember.kernels.argmax): the bitmask goes
         to the device as the scheduler made it, with each logits row's bitmask row (or -1)."""
+        if grammar.bitmask.is_pinned() and rows_in_order(rows, grammar):
+            return kernels.argmax.argmax_rows(
+                logits, grammar.bitmask.to(self.device, non_blocking=True))
         mask_rows = bitmask_rows(rows, grammar)
         if not (mask_rows >= 0).any():
             return greedy_argmax(logits)
