@@ -295,3 +295,16 @@ def test_stream_failure_hands_over_to_the_window(tok, decoder):
             detok._stream = (Failing(*detok._stream), detok._stream[1])
         streamed = "".join(detok.append([i]) for i in ids) + detok.finish()
         assert streamed == detok.text == expected, fail_at
+
+
+def test_detokenize_benchmark_runs(decoder, tmp_path):
+    """ember.bench.detokenize (both decoders, its own equality checks) at a toy size."""
+    if decoder == "window":
+        pytest.skip("the benchmark runs both decoders itself")
+    from ember.bench import detokenize
+
+    out = tmp_path / "detok.json"
+    assert detokenize.main(["--sequences", "8", "--tokens", "16", "--rounds", "1",
+                            "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["us_per_token"]) == {"stream", "window"}

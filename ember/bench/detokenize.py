@@ -1,0 +1,88 @@
+"""``python -m ember.bench.detokenize``: the front end's detokenizer, microseconds a token.
+
+Streams token ids through ember.detokenizer.IncrementalDetokenizer one at a time, as the output
+processor does each step, with each of its two decoders side by side in one run: ``stream``
+(tokenizers' DecodeStream, what fast tokenizers take) and ``window`` (the window of two
+``tokenizer.decode`` calls, what the others take). The text is this repository's documentation,
+encoded with the default model's tokenizer (byte-level BPE, 49,152 tokens) unless ``--model``
+names another; each sequence gets a five-token prompt as decoding context, as a request does.
+Both decoders' texts must be equal, and equal to a full decode but for leading whitespace (the
+context's). Rounds alternate the variants; each variant's best round counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ember.bench.provenance import git_commit
+
+
+def _corpus() -> str:
+    root = Path(__file__).resolve().parents[2]
+    texts = [p.read_text(encoding="utf-8") for p in sorted((root / "docs").glob("*.md"))]
+    return "\n".join(texts) or "The capital of France is Paris. " * 2000
+
+
+def _run(tokenizer, sequences: list[list[int]], use_stream: bool) -> tuple[float, list[str]]:
+    from ember import detokenizer
+
+    saved = detokenizer._decode_stream
+    if not use_stream:
+        detokenizer._decode_stream = lambda *args: None
+    try:
+        texts, start, tokens = [], time.perf_counter(), 0
+        for ids in sequences:
+            detok = detokenizer.IncrementalDetokenizer(tokenizer, ids[:5])
+            for token_id in ids[5:]:
+                detok.append((token_id,))
+                tokens += 1
+            detok.finish()
+            texts.append(detok.text)
+        return (time.perf_counter() - start) / tokens * 1e6, texts
+    finally:
+        detokenizer._decode_stream = saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
+    parser.add_argument("--sequences", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=128, help="generated tokens a sequence")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    ns = parser.parse_args(argv)
+
+    from ember.default_model import default_model_path
+    from ember.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(ns.model or default_model_path())
+    ids = tokenizer.encode(_corpus(), add_special_tokens=False)
+    span = ns.tokens + 5
+    sequences = [ids[(i * span) % max(1, len(ids) - span):][:span] for i in range(ns.sequences)]
+    expected = [tokenizer.decode(s[5:], skip_special_tokens=True) for s in sequences]
+    best = {"stream": float("inf"), "window": float("inf")}
+    outputs: dict[str, list[str]] = {}
+    for _ in range(ns.rounds):
+        for name in best:
+            us, outputs[name] = _run(tokenizer, sequences, name == "stream")
+            # The prompt context may change the first token's leading space only.
+            if any(t.strip() != e.strip() for t, e in zip(outputs[name], expected, strict=True)):
+                raise AssertionError(f"{name}: text differs from a full decode")
+            best[name] = min(best[name], us)
+    if outputs["stream"] != outputs["window"]:
+        raise AssertionError("the two decoders' texts differ")
+    result = {"commit": git_commit(), "model": ns.model or "default (SmolLM2-135M GGUF)",
+              "sequences": ns.sequences, "tokens_each": ns.tokens, "us_per_token": best,
+              "window_over_stream": best["window"] / best["stream"]}
+    print(json.dumps(result, indent=1))
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
