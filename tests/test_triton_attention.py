@@ -325,9 +325,9 @@ def test_decode_splits_do_not_depend_on_graph_capture(shape, want, monkeypatch):
     seen = []
     real = impl_cls._decode_splits
 
-    def record(self, batch, max_seq_len, device):
+    def record(self, batch, max_seq_len, device, cache_itemsize):
         seen.append(max_seq_len)
-        return real(self, batch, max_seq_len, device)
+        return real(self, batch, max_seq_len, device, cache_itemsize)
 
     monkeypatch.setattr(impl_cls, "_decode_splits", record)
     num_heads, num_kv_heads, head_size = 4, 2, 32
