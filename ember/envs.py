@@ -84,7 +84,7 @@ def server_dev_mode() -> bool:
 
 def grammar_threads() -> int | None:
     """EMBER_GRAMMAR_THREADS: threads that fill a step's structured-output bitmasks (default:
-    the cores less one, at most 8)."""
+    the cores less one, at most 4)."""
     value = _str("EMBER_GRAMMAR_THREADS")
     if value is None:
         return None

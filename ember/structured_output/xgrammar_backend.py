@@ -175,12 +175,14 @@ class XgrammarBackend(StructuredOutputBackend):
 
 def _fill_threads() -> int:
     """Threads for filling bitmasks: EMBER_GRAMMAR_THREADS, or the cores less one for the engine
-    loop, at most 8 (more threads only wait on one another at a step's few hundred rows)."""
+    loop, at most 4: more only wait on one another at a step's few hundred rows (256 rows on
+    the H200's 16-core host: 0.58-0.68 ms a fill on 4 threads, 0.75 on 2, 0.83-2.4 on 8, 3.0
+    on 15; docs/benchmarks.md)."""
     import os
 
     from ember import envs
 
-    return envs.grammar_threads() or max(1, min(8, (os.cpu_count() or 2) - 1))
+    return envs.grammar_threads() or max(1, min(4, (os.cpu_count() or 2) - 1))
 
 
 def _message(exc: Exception) -> str:
