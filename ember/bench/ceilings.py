@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ember.bench.provenance import report
 from ember.bench.roofline import ModelShape, decode_latency_limit, throughput_limit
 from ember.bench.timing import bench_ms, copy_bandwidth
 from ember.bench.workloads import random_workload
@@ -61,8 +62,7 @@ def main() -> None:
     result = {"copy_bandwidth_Bps": bandwidth, "bf16_matmul_flops": flops,
               "device": torch.cuda.get_device_name(),
               "models": [model_limits(m, bandwidth, flops, ns) for m in ns.model]}
-    print(json.dumps(result, indent=1))
-    Path(ns.out).write_text(json.dumps(result, indent=1))
+    report(result, ns.out)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,11 @@ context's). Rounds alternate the variants; each variant's best round counts.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-from ember.bench.provenance import git_commit
+from ember.bench.provenance import git_commit, report
 
 
 def _corpus() -> str:
@@ -78,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"commit": git_commit(), "model": ns.model or "default (SmolLM2-135M GGUF)",
               "sequences": ns.sequences, "tokens_each": ns.tokens, "us_per_token": best,
               "window_over_stream": best["window"] / best["stream"]}
-    print(json.dumps(result, indent=1))
-    if ns.out:
-        Path(ns.out).write_text(json.dumps(result, indent=1))
+    report(result, ns.out)
     return 0
 
 

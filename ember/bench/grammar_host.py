@@ -22,14 +22,12 @@ the H200 structured benchmark, whose model is Qwen3-0.6B.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 from tqdm import tqdm
 
-from ember.bench.provenance import git_commit
+from ember.bench.provenance import git_commit, report
 from ember.bench.structured import SCHEMAS, is_json
 
 
@@ -146,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
            "requests": ns.num_requests, "model_vocab": ns.vocab_size,
            "tokenizer_vocab": len(tokenizer), "cpus": os.cpu_count(),
            "load_average": os.getloadavg(), "runs": results}
-    print(json.dumps(out, indent=1))
-    if ns.out:
-        Path(ns.out).write_text(json.dumps(out, indent=1))
+    report(out, ns.out)
     return 0
 
 

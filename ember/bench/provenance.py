@@ -1,4 +1,4 @@
-"""Where a benchmark result comes from: the commit it ran at.
+"""Where a benchmark result comes from (the commit it ran at) and where it goes (`report`).
 
 `EMBER_COMMIT` wins over git: a copy of the tree on another machine (the GPU device runs) may
 carry a stale git HEAD, so the caller passes the commit it actually sent.
@@ -6,8 +6,10 @@ carry a stale git HEAD, so the caller passes the commit it actually sent.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+from pathlib import Path
 
 
 def git_commit() -> str:
@@ -19,3 +21,11 @@ def git_commit() -> str:
                                        stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def report(result: dict, out: str | None) -> None:
+    """Print a benchmark's result as JSON, and write it to ``out`` when given."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        Path(out).write_text(text)

@@ -17,9 +17,8 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from ember.bench.provenance import git_commit
+from ember.bench.provenance import git_commit, report
 
 SCHEMAS: list[dict] = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -225,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     ns = parser.parse_args(argv)
     result = run(ns)
-    print(json.dumps(result, indent=1))
-    if ns.out:
-        Path(ns.out).write_text(json.dumps(result, indent=1))
+    report(result, ns.out)
     return 0
 
 
