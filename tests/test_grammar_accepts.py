@@ -70,6 +70,48 @@ def test_xgrammar_batched_accept_equals_one_by_one():
     assert torch.equal(masks[0], masks[1])
 
 
+def test_xgrammar_advance_equals_the_contracts_default():
+    """xgrammar's advance (the native batch accept searched for refusals, is_terminated asked
+    only of rows that took a stop token) reports exactly the rows the contract's default does
+    (accept_tokens, then is_terminated of every row that took its token), step after step, with
+    refusals, completions and rows that stay open, and leaves each grammar in the same state."""
+    import random
+
+    import torch
+
+    from ember.structured_output.interface import StructuredOutputBackend
+    from ember.structured_output.xgrammar_backend import XgrammarBackend
+
+    tok = _tokenizer()
+    backend = XgrammarBackend(tok, len(tok), StructuredOutputsConfig())
+    compiled = backend.compile(_spec(regex=r"(ab|cd)+x?"))
+    ab, cd, x, q = (tok.encode(t, add_special_tokens=False)[0] for t in ("ab", "cd", "x", "q"))
+    eos = tok.eos_token_id
+    rng = random.Random(0)
+    rows = 40
+    fast = [backend.new_grammar(compiled, [eos]) for _ in range(rows)]
+    slow = [backend.new_grammar(compiled, [eos]) for _ in range(rows)]
+    open_rows = list(range(rows))
+    seen_ends = set()
+    for _ in range(12):
+        if not open_rows:
+            break
+        step = [rng.choice([ab, cd, ab, cd, x, q, eos]) for _ in open_rows]
+        got = backend.advance([fast[i] for i in open_rows], step)
+        want = StructuredOutputBackend.advance(backend, [slow[i] for i in open_rows], step)
+        assert got == want
+        seen_ends.update(ok for _, ok in got)
+        ended = {i for i, _ in got}
+        open_rows = [r for j, r in enumerate(open_rows) if j not in ended]
+        masks = [torch.zeros(len(open_rows), (len(tok) + 31) // 32, dtype=torch.int32)
+                 for _ in range(2)]
+        for grammars, mask in zip((fast, slow), masks):
+            for j, r in enumerate(open_rows):
+                grammars[r].fill_bitmask(mask, j)
+        assert torch.equal(masks[0], masks[1])
+    assert seen_ends == {True, False}  # both kinds of ending happened
+
+
 def _spec(**kwargs):
     from ember.structured_output.interface import GrammarSpec
 

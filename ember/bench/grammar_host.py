@@ -3,15 +3,15 @@
 Drives ember's StructuredOutputManager as the engine core does, without a model: N requests,
 each with one of ember.bench.structured's JSON schemas (`disable_any_whitespace`, as that
 benchmark), grammars built on the manager's pool; then per step `fill(rows)` (the bitmask, as
-EngineCore._finish_sampling) and, per sampled token, `append_output_token` + `accept` (as
-Scheduler.update_from_output). Each row's token is drawn uniformly from what its mask allows (a
-model with dummy weights samples about so), from one seeded generator, so every variant sees the
-same tokens; the draw is not timed.
+EngineCore._finish_sampling) and, per sampled token, `append_output_token`, then the step's
+tokens in one `accept_many` (as Scheduler.update_from_output). Each row's token is drawn
+uniformly from what its mask allows (a model with dummy weights samples about so), from one
+seeded generator, so every variant sees the same tokens; the draw is not timed.
 
 Variants, side by side in one run, per backend:
 - `model-width`: the grammar tables and bitmask span the model's vocabulary (`--vocab-size`,
   Qwen3's 151,936 by default) as the manager did before it used the tokenizer's own size;
-- `tokenizer-width`: the manager as it is, each token accepted as it is folded in;
+- `tokenizer-width`: the manager as it is, the step's tokens accepted as they are folded in;
 - `deferred`: the same with deferred accepts (async scheduling): accept() only records the
   token, and the fill first advances every grammar in one batched backend call (the fill's
   time then holds the accepts).
@@ -91,11 +91,11 @@ def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bo
             allowed = np.flatnonzero(bits)
             picks.append(int(allowed[rng.integers(len(allowed))]))
         t2 = time.perf_counter()
-        still = []
         for request, token in zip(live, picks):
             request.append_output_token(token)
-            if not manager.accept(request, token) and len(request.output_token_ids) < ns.max_tokens:
-                still.append(request)
+        finished = {id(r) for r in manager.accept_many(list(zip(live, picks)))}
+        still = [r for r in live
+                 if id(r) not in finished and len(r.output_token_ids) < ns.max_tokens]
         t3 = time.perf_counter()
         fill_s += t1 - t0
         accept_s += t3 - t2
@@ -108,7 +108,7 @@ def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bo
     texts = [tokenizer.decode(r.output_token_ids, skip_special_tokens=True) for r in requests]
     valid = sum(is_json(t) for t in texts)
     return {"backend": backend, "width": "model" if model_width else "tokenizer",
-            "accepts": "deferred to the fill" if deferred else "a call a token",
+            "accepts": "deferred to the fill" if deferred else "a call a step",
             "bitmask_words": (manager.vocab_size + 31) // 32, "grammars_built_s": build_s,
             "steps": steps, "tokens": tokens, "outputs_valid_json": valid,
             "accept_us_per_token": 1e6 * accept_s / tokens,

@@ -143,6 +143,15 @@ class StructuredOutputBackend(ABC):
         backend with a batched native call overrides this loop."""
         return [grammar.accept_token(token) for grammar, token in zip(grammars, tokens)]
 
+    def advance(self, grammars: list[Grammar], tokens: list[int]) -> list[tuple[int, bool]]:
+        """Advance each grammar by its token, as `accept_tokens`, and return only the rows
+        that end their request, in row order, as (index, accepted): False, the grammar refused the token;
+        True, it took it and is complete. The default asks `is_terminated` of every row that
+        took its token; a backend that knows cheaper which rows can have ended overrides it."""
+        accepted = self.accept_tokens(grammars, tokens)
+        return [(i, ok) for i, (ok, grammar) in enumerate(zip(accepted, grammars))
+                if not ok or grammar.is_terminated()]
+
     @abstractmethod
     def new_grammar(self, compiled: Any, stop_token_ids: list[int]) -> Grammar:
         """A fresh matcher for one request; `stop_token_ids` end the grammar (the engine's eos)."""

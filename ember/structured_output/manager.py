@@ -232,18 +232,18 @@ class StructuredOutputManager:
                     (request, token))
         finished: list[Request] = []
         for name, rows in by_backend.items():
-            grammars = [request.structured_output.grammar for request, _ in rows]
-            accepted = self._backends[name].accept_tokens(grammars, [t for _, t in rows])
-            for (request, token), ok, grammar in zip(rows, accepted, grammars):
+            ended = self._backends[name].advance(
+                [request.structured_output.grammar for request, _ in rows], [t for _, t in rows])
+            for request, _ in rows:
                 request.structured_output.num_accepted += 1
-                if not ok:
+            for i, accepted in ended:
+                request, token = rows[i]
+                if accepted:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
                     logger.error("request %s: the grammar refused sampled token %d; aborting it",
                                  request.request_id, token)
                     request.status = RequestStatus.FINISHED_ABORTED
-                elif grammar.is_terminated():
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    continue
                 finished.append(request)
         return finished
 
@@ -365,18 +365,20 @@ class StructuredOutputManager:
         case, in one backend call per backend); returns the rows whose grammar then ends the
         request (complete, or refusing a token: recorded for take_finished)."""
         single: dict[str, list[tuple[int, Request, int]]] = {}
-        outcomes: list[tuple[int, Request, bool]] = []
+        outcomes: list[tuple[int, Request, bool]] = []  # the rows that end, (accepted)
         for row, request, tokens in advances:
             if len(tokens) == 1:
                 single.setdefault(request.structured_output.backend, []).append(
                     (row, request, tokens[0]))
             else:  # a replay (the rows behind by more than a token): token by token
                 grammar = request.structured_output.grammar
-                outcomes.append((row, request, all(grammar.accept_token(t) for t in tokens)))
+                ok = all(grammar.accept_token(t) for t in tokens)
+                if not ok or grammar.is_terminated():
+                    outcomes.append((row, request, ok))
         for name, items in single.items():
-            accepted = self._backends[name].accept_tokens(
+            ended_items = self._backends[name].advance(
                 [r.structured_output.grammar for _, r, _ in items], [t for _, _, t in items])
-            outcomes.extend((row, r, ok) for (row, r, _), ok in zip(items, accepted))
+            outcomes.extend((items[i][0], items[i][1], ok) for i, ok in ended_items)
         ended = set()
         for row, request, ok in outcomes:
             so = request.structured_output
@@ -384,10 +386,8 @@ class StructuredOutputManager:
                 logger.error("request %s: the grammar refused a sampled token; aborting it",
                              request.request_id)
                 so.ended = RequestStatus.FINISHED_ABORTED
-            elif so.grammar.is_terminated():
-                so.ended = RequestStatus.FINISHED_STOPPED
             else:
-                continue
+                so.ended = RequestStatus.FINISHED_STOPPED
             self._finished.append((request, so.ended))
             ended.add(row)
         return ended
