@@ -145,9 +145,10 @@ class StructuredOutputBackend(ABC):
 
     def advance(self, grammars: list[Grammar], tokens: list[int]) -> list[tuple[int, bool]]:
         """Advance each grammar by its token, as `accept_tokens`, and return only the rows
-        that end their request, in row order, as (index, accepted): False, the grammar refused the token;
-        True, it took it and is complete. The default asks `is_terminated` of every row that
-        took its token; a backend that knows cheaper which rows can have ended overrides it."""
+        that end their request, in row order, as (index, accepted): accepted False, the
+        grammar refused the token; True, it took it and is complete. The default asks
+        `is_terminated` of every row that took its token; a backend that knows cheaper which
+        rows can have ended overrides it."""
         accepted = self.accept_tokens(grammars, tokens)
         return [(i, ok) for i, (ok, grammar) in enumerate(zip(accepted, grammars))
                 if not ok or grammar.is_terminated()]
