@@ -29,7 +29,7 @@ SPLIT_WORKSPACE = "triton.decode_split_workspace"
 # Cached: every layer asks the same question each step, and the answers are pure functions.
 @functools.lru_cache(maxsize=1024)
 def _num_splits(batch: int, num_kv_heads: int, head_size: int, max_seq_len: int | None,
-                device: torch.device, cache_itemsize: int = 2) -> int:
+                device: torch.device, cache_itemsize: int) -> int:
     """The splits paged_decode_attention would choose itself for this batch over a cache of
     ``cache_itemsize`` bytes an element (the same policy entry)."""
     decode = kernels.decode_attention

@@ -105,9 +105,8 @@ def widen_fp8_to_f16(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
     in float16) for 16-bit queries. Widening e4m3 to float16 is exact, and it is what the
     hardware's conversion produces (sm_89+: `cvt.rn.f16x2.e4m3x2`, two values at a time): with
     it the fp8 decode kernel ran 1.05-1.12x faster on an H200 than widening to bfloat16
-    (docs/benchmarks.md). A
-    float16 query keeps 3 more mantissa bits than bfloat16; it would overflow only past
-    65,504, far above what queries reach. float32 queries widen to float32."""
+    (docs/benchmarks.md). A float16 query keeps 3 more mantissa bits than bfloat16; it would
+    overflow only past 65,504, far above what queries reach. float32 queries widen to float32."""
     return cache_dtype in FP8_DTYPES and q_dtype in (torch.bfloat16, torch.float16)
 
 

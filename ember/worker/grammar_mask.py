@@ -34,9 +34,11 @@ def rows_in_order(rows: list[CachedRequestState], grammar: GrammarBitmask) -> bo
     return len(rows) == len(grammar.req_ids) and [s.req_id for s in rows] == grammar.req_ids
 
 
-def bitmask_rows(rows: list[CachedRequestState], grammar: GrammarBitmask) -> np.ndarray:
-    """int32 [len(rows)]: each logits row's bitmask row, -1 for rows without a grammar."""
-    if rows_in_order(rows, grammar):
+def bitmask_rows(rows: list[CachedRequestState], grammar: GrammarBitmask,
+                 in_order: bool | None = None) -> np.ndarray:
+    """int32 [len(rows)]: each logits row's bitmask row, -1 for rows without a grammar
+    (``in_order``: rows_in_order's answer, when the caller has it)."""
+    if rows_in_order(rows, grammar) if in_order is None else in_order:
         return np.arange(len(rows), dtype=np.int32)
     index = {state.req_id: i for i, state in enumerate(rows)}
     mask_rows = np.full(len(rows), -1, dtype=np.int32)
@@ -125,19 +127,18 @@ class GrammarMasks:
                       grammar: GrammarBitmask) -> torch.Tensor:
         """Greedy ids under the grammar rows' bitmask (ember.kernels.argmax): the bitmask goes
         to the device as the scheduler made it, with each logits row's bitmask row (or -1)."""
-        if grammar.bitmask.is_pinned() and rows_in_order(rows, grammar):
-            return kernels.argmax.argmax_rows(
-                logits, grammar.bitmask.to(self.device, non_blocking=True))
-        mask_rows = bitmask_rows(rows, grammar)
-        if not (mask_rows >= 0).any():
+        in_order = rows_in_order(rows, grammar)
+        mask_rows = bitmask_rows(rows, grammar, in_order)
+        if not in_order and not (mask_rows >= 0).any():
             return greedy_argmax(logits)
         if grammar.bitmask.is_pinned():
             # The structured-output manager filled it into a page-locked buffer of its own
             # (StructuredOutputManager.use_host_buffers): it goes to the device as it is, with
-            # no copy on this thread; the row map goes after it.
+            # no copy on this thread; the row map goes after it, unless every row takes its
+            # own bitmask row in order (the kernel then needs none).
             return kernels.argmax.argmax_rows(
                 logits, grammar.bitmask.to(self.device, non_blocking=True),
-                self._pinned_to_device(mask_rows))
+                None if in_order else self._pinned_to_device(mask_rows))
         bitmask = grammar.bitmask.numpy()
         # One copy for both: the row map, then the bitmask.
         both = self._pinned_to_device(mask_rows, bitmask)
