@@ -93,6 +93,19 @@ def grammar_threads() -> int | None:
     return int(value)
 
 
+def grammar_process() -> bool | None:
+    """EMBER_GRAMMAR_PROCESS: 1 keeps structured outputs' grammars in a process of their own
+    (ember.structured_output.grammar_process), 0 on the engine core's threads; unset or "auto":
+    a process where a step's sampling waits for its bitmask on a GPU (async scheduling with
+    the runner in the engine's process)."""
+    value = _str("EMBER_GRAMMAR_PROCESS")
+    if value is None or value == "auto":
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"EMBER_GRAMMAR_PROCESS must be 0, 1 or auto, got {value!r}")
+    return value == "1"
+
+
 def grammar_deferred_accepts() -> bool:
     """EMBER_GRAMMAR_DEFERRED_ACCEPTS=1: under async scheduling the grammars advance on the
     bitmask helper thread, in one batched backend call, instead of a call a token on the engine

@@ -5,6 +5,7 @@ length limit and tokenizer."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ember.config import _DTYPE_ALIASES, EngineArgs, ModelConfig
@@ -247,6 +248,23 @@ def _default_sampling(args: EngineArgs, path: str) -> dict[str, Any]:
     if folder not in ("auto", "vllm"):
         folder = os.path.expanduser(folder)
     return default_sampling_values(path, folder, args.override_generation_config)
+
+
+def engine_tokenizer_loader(args: EngineArgs, cfg: ModelConfig) -> Callable[[], Any]:
+    """load_engine_tokenizer(args, cfg) as a picklable call (the grammar process makes its own
+    tokenizer with it)."""
+    import functools
+
+    if args.skip_tokenizer_init:
+        return _no_tokenizer
+    from ember.tokenizer import load_tokenizer
+
+    return functools.partial(load_tokenizer, cfg.tokenizer or cfg.path,
+                             trust_remote_code=args.trust_remote_code)
+
+
+def _no_tokenizer() -> None:
+    return None
 
 
 def load_engine_tokenizer(args: EngineArgs, cfg: ModelConfig):

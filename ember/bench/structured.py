@@ -153,6 +153,8 @@ def run(ns: argparse.Namespace) -> dict:
         "constrained_over_unconstrained": statistics.median(ratios),
         "ratio_min_max": [min(ratios), max(ratios)], "rounds": rounds,
         "compile": compile_stats,
+        "grammar_process": getattr(getattr(getattr(llm.llm_engine, "engine_core", None),
+                                           "structured_output", None), "uses_process", None),
         "load_average": list(os.getloadavg()),  # a shared machine: how busy it was
     }
     if manager is not None:

@@ -61,12 +61,13 @@ class EngineCore(EngineCoreControl):
             )
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         platform = self.executor.platform
-        from ember.model_resolution import load_engine_tokenizer
+        from ember.model_resolution import engine_tokenizer_loader
 
-        # Grammars are built on worker threads; the tokenizer is loaded there, on first use.
+        # Grammars are built on worker threads (or in the grammar process, below); the
+        # tokenizer is loaded there, on first use.
         self.structured_output = StructuredOutputManager(
             StructuredOutputsConfig.of(args.structured_outputs_config),
-            lambda: load_engine_tokenizer(args, self.model_config),
+            engine_tokenizer_loader(args, self.model_config),
             self.model_config.vocab_size, self.model_config.eos_token_ids())
         self.async_scheduling = args.async_scheduling
         if self.async_scheduling is None:
@@ -82,7 +83,16 @@ class EngineCore(EngineCoreControl):
         # than the accepts cost it (H200: 1.6-1.8 against 0.4 ms a step of waiting).
         self.structured_output.defer_accepts = (self._defer_grammar_sampling
                                                 and envs.grammar_deferred_accepts())
-        if self._defer_grammar_sampling and not platform.device_is_host():
+        # Or the grammars live in a process of their own, which accepts and fills while this
+        # thread goes on (ember.structured_output.grammar_process): by default where the
+        # sampling waits for the bitmask on a device, into buffers page-locked here.
+        grammar_process = envs.grammar_process()
+        if grammar_process is None:
+            grammar_process = self._defer_grammar_sampling and not platform.device_is_host()
+        if grammar_process:
+            self.structured_output.use_process(
+                count=3, pin=None if platform.device_is_host() else platform.pin_host_memory)
+        elif self._defer_grammar_sampling and not platform.device_is_host():
             # The runner is in this process: bitmasks are filled into page-locked buffers it
             # copies to the device as they are. One a step: the one being filled, the one the
             # step in flight samples with, and one spare.

@@ -156,6 +156,13 @@ class Platform:
 
         return torch.empty(numel, dtype=dtype)
 
+    def pin_host_memory(self, tensor: torch.Tensor) -> Callable[[], None] | None:
+        """Page-lock the memory of an existing host tensor (shared memory another process
+        writes), so that copies from it to the device run as asynchronously as from
+        empty_host_buffer's; returns the undo, to call before the memory goes. The default
+        (and a platform that cannot) returns None: copies from it stay ordinary."""
+        return None
+
     def copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Start copying a device tensor to the host without waiting. The result may be read once
         an event recorded after this call has been synchronized. The default copies at once (and

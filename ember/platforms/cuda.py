@@ -9,12 +9,15 @@ CUDA build of torch in the installed metadata. When torch is already imported it
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from ember.platforms.base import DeviceEvent, Graph, Platform
+
+logger = logging.getLogger("ember")
 
 if TYPE_CHECKING:
     import torch
@@ -158,6 +161,19 @@ class CudaPlatform(Platform):
 
         # Pinned: only copies from page-locked memory run asynchronously to the host.
         return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def pin_host_memory(self, tensor: torch.Tensor) -> Callable[[], None] | None:
+        import torch
+
+        cudart = torch.cuda.cudart()
+        pointer = tensor.data_ptr()
+        error = int(cudart.cudaHostRegister(pointer, tensor.numel() * tensor.element_size(), 0))
+        if error:
+            logger.warning("could not page-lock %d bytes of shared host memory (CUDA error %d): "
+                           "copies from it will block", tensor.numel() * tensor.element_size(),
+                           error)
+            return None
+        return lambda: cudart.cudaHostUnregister(pointer)
 
     def copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type == "cpu":

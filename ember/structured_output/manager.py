@@ -16,6 +16,11 @@
   rows are chosen when the step is planned and filled once the tokens before it are folded in:
   under async scheduling that is while the step's forward runs (ember.core.engine_core).
 
+With a grammar process (`use_process`, ember.structured_output.grammar_process) the grammars
+live there: accepts are always deferred, and each fill is one message to it (the tokens the
+grammars have not seen, the rows to fill into a shared buffer) answered when the engine thread
+takes the result.
+
 Preemption keeps a request's generated tokens (it is recomputed, not rolled back), so its grammar
 state stays valid; should a grammar ever be behind the request's tokens, the missing tokens are
 replayed before its mask is filled.
@@ -27,18 +32,23 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ember.core.request import Request, RequestStatus
 from ember.core.scheduler_output import GrammarBitmask, SchedulerOutput
+from ember.structured_output.compiler import (
+    GrammarCompiler,
+    advance_grammars,
+    fill_grammar_rows,
+)
 from ember.structured_output.config import StructuredOutputsConfig
-from ember.structured_output.interface import Grammar, GrammarSpec, StructuredOutputBackend
+from ember.structured_output.grammar_process import GrammarBuildError
+from ember.structured_output.interface import Grammar, GrammarSpec
 from ember.structured_output.reasoning_gate import ANSWER, REASONING, UNDECIDED, ReasoningGate
 from ember.structured_output.switch_interval import ShortSwitchInterval
-from ember.structured_output.validation import resolve_backend_class, select_backend
+from ember.structured_output.validation import select_backend
 
 logger = logging.getLogger("ember")
 
@@ -73,37 +83,53 @@ class StructuredOutputManager:
                  vocab_size: int, model_eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
         self._load_tokenizer = load_tokenizer
-        self._tokenizer: Any = None
-        self.vocab_size = vocab_size  # bitmask width in tokens (set again with the tokenizer)
-        # The model config's eos ids must fit in the bitmask even where the tokenizer does not
-        # know them (a checkpoint paired with another model's tokenizer), or no grammar could end.
         self._eos_width = max(model_eos_token_ids, default=-1) + 1
-        self._backends: dict[str, StructuredOutputBackend] = {}
-        self._backend_lock = threading.Lock()
-        self._compiled: OrderedDict[tuple, Future] = OrderedDict()
-        self._compiled_lock = threading.Lock()
+        self._compiler = GrammarCompiler(config, load_tokenizer, vocab_size, self._eos_width)
+        self._model_vocab_size = vocab_size
+        self._gate_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._fill_thread: ThreadPoolExecutor | None = None  # fill_async's
         self._done = threading.Condition()  # notified when a build finishes
-        self.num_compiled = 0  # compiles done (cache misses), for tests and stats
         self.in_use = False  # some request had structured outputs (else steps skip the bitmask)
         self._gate: ReasoningGate | None = None  # built with the first grammar, if configured
+        self._gate_tokenizer: Any = None
         # perf_counter at the start and end of the last fill's backend calls (step timing).
         self.last_fill = (0.0, 0.0)
         self._switch_interval = ShortSwitchInterval(FILL_SWITCH_INTERVAL_S)  # see fill_async
-        # Deferred accepts (set by the engine core under deferred sampling): accept() only
-        # records a token, and the next fill advances the grammars first, in one batched
-        # backend call a step (StructuredOutputBackend.accept_tokens, which xgrammar runs
-        # mostly in native code: it does not release the GIL throughout, docs/benchmarks.md)
-        # on fill_async's helper thread instead of on the engine thread. A grammar the fill
-        # finds complete or refusing its token is reported by take_finished() for the engine
-        # core to end.
+        # Deferred accepts (set by the engine core under deferred sampling, and always with a
+        # grammar process): accept() only records a token, and the next fill advances the
+        # grammars first, in one batched backend call a step (StructuredOutputBackend.advance,
+        # which xgrammar runs mostly in native code: it does not release the GIL throughout,
+        # docs/benchmarks.md) on fill_async's helper thread or in the grammar process instead
+        # of on the engine thread. A grammar the fill finds complete or refusing its token is
+        # reported by take_finished() for the engine core to end.
         self.defer_accepts = False
         self._finished: list[tuple[Request, RequestStatus]] = []
         # Host buffers the bitmasks are filled into, used in turn (use_host_buffers).
         self._allocate_host: Callable[[int], Any] | None = None
         self._host_buffers: list[Any] = []
         self._host_next = 0
+        # The grammar process (use_process): its arguments until the first grammar starts it.
+        self._process: Any = None
+        self._process_args: dict[str, Any] | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """The bitmask's width in tokens (the tokenizer's, once it is loaded)."""
+        if self._process is not None:
+            return self._process.vocab_size
+        return self._compiler.vocab_size
+
+    @property
+    def num_compiled(self) -> int:
+        """Compiles done (cache misses), for tests and stats."""
+        if self._process is not None:
+            return self._process.num_compiled
+        return self._compiler.num_compiled
+
+    @property
+    def uses_process(self) -> bool:
+        return self._process_args is not None
 
     def use_host_buffers(self, allocate: Callable[[int], Any], count: int) -> None:
         """Fill bitmasks into ``count`` int32 host buffers from ``allocate(numel)`` (1-D torch
@@ -116,6 +142,26 @@ class StructuredOutputManager:
         self._host_buffers = [None] * count
         self._host_next = 0
 
+    def use_process(self, count: int,
+                    pin: Callable[[Any], Callable[[], None] | None] | None = None) -> None:
+        """Keep the grammars in a process of their own (started with the first grammar),
+        filling ``count`` shared host buffers in turn (reused as use_host_buffers' are),
+        each page-locked here by ``pin`` (a platform's pin_host_memory). Accepts are deferred
+        from then on."""
+        self._process_args = {"buffers": count, "pin": pin}
+        self._host_buffers = [None] * count
+        self._host_next = 0
+        self.defer_accepts = True
+
+    def _start_process(self) -> Any:
+        from ember.structured_output.grammar_process import GrammarProcess
+
+        if self._process is None:
+            self._process = GrammarProcess(self.config, self._load_tokenizer,
+                                           self._model_vocab_size, self._eos_width,
+                                           **self._process_args)  # type: ignore[arg-type]
+        return self._process
+
     # ---- building ----------------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Start building `request`'s grammar (its params were validated by the front end)."""
@@ -124,13 +170,25 @@ class StructuredOutputManager:
         backend = params._backend or select_backend(spec, self.config.backend)
         so = StructuredOutputRequest(spec, backend)
         self.in_use = True
+        stop_ids = sorted(request.eos_token_ids | request.sampling_params.all_stop_token_ids)
+        request.structured_output = so
+        if self.uses_process:
+            process = self._start_process()
+            if self.config.reasoning_parser and not self.config.enable_in_reasoning:
+                # The reasoning gate stays here (it needs the tokenizer: loaded on the pool).
+                so.future = self._submit(self._build_remote, process, so, stop_ids,
+                                         request.prompt_token_ids)
+            else:
+                so.future = process.add(backend, spec, stop_ids)
+            return
+        so.future = self._submit(self._build, so, stop_ids, request.prompt_token_ids)
+        so.future.add_done_callback(self._notify)
+
+    def _submit(self, function: Callable, *args: Any) -> Future:
         if self._pool is None:
             workers = max(1, min(4, (os.cpu_count() or 2) - 1))
             self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ember-grammar")
-        stop_ids = sorted(request.eos_token_ids | request.sampling_params.all_stop_token_ids)
-        so.future = self._pool.submit(self._build, so, stop_ids, request.prompt_token_ids)
-        so.future.add_done_callback(self._notify)
-        request.structured_output = so
+        return self._pool.submit(function, *args)
 
     def _notify(self, _future: Future) -> None:
         with self._done:
@@ -138,72 +196,44 @@ class StructuredOutputManager:
 
     def _build(self, so: StructuredOutputRequest, stop_ids: list[int],
                prompt_token_ids: list[int]) -> Grammar:
-        backend = self._backend(so.backend)
-        # A stop id past the bitmask (a request's own stop_token_ids) cannot be sampled under a
-        # grammar: the sampler disallows ids past the bitmask's end, so it cannot end one either.
-        stop_ids = [i for i in stop_ids if i < self.vocab_size]
-        if self._gate is not None:
-            so.state = self._gate.initial_state(prompt_token_ids)
-        return backend.new_grammar(self._compile(backend, so.backend, so.spec), stop_ids)
+        self._compiler.backend(so.backend)  # the tokenizer first (the gate needs it)
+        self._start_gate(so, prompt_token_ids, lambda: self._compiler.tokenizer)
+        return self._compiler.build(so.backend, so.spec, stop_ids)
 
-    def _backend(self, name: str) -> StructuredOutputBackend:
-        with self._backend_lock:
-            backend = self._backends.get(name)
-            if backend is None:
-                if self._tokenizer is None:
-                    self._tokenizer = self._load_tokenizer()
-                    self.vocab_size = self._grammar_vocab_size(self._tokenizer)
-                    if self.config.reasoning_parser and not self.config.enable_in_reasoning:
-                        self._gate = ReasoningGate(self.config.reasoning_parser,
-                                                   self._tokenizer)
-                backend = resolve_backend_class(name)(self._tokenizer, self.vocab_size,
-                                                       self.config)
-                self._backends[name] = backend
-            return backend
+    def _build_remote(self, process: Any, so: StructuredOutputRequest, stop_ids: list[int],
+                      prompt_token_ids: list[int]) -> Any:
+        self._start_gate(so, prompt_token_ids, self._load_tokenizer)
+        return process.add(so.backend, so.spec, stop_ids)  # a future: see ready()
 
-    def _grammar_vocab_size(self, tokenizer: Any) -> int:
-        """The bitmask's width in tokens: the ids the tokenizer has (and the model config's eos
-        ids), not the model's logits width.
-        A model's vocabulary is often padded past its tokenizer's (Qwen3: 267 ids; a checkpoint
-        with another model's tokenizer: 100k); no grammar allows those ids, and the sampler
-        disallows the logits past the bitmask's end. Narrower also because xgrammar counts every
-        id past the tokenizer as a special token and scans them all in each accept_token (about
-        0.5 ns an id: 48 us a token with a 49k tokenizer in a 152k vocabulary, 2 us without)."""
-        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        return max(len(tokenizer), max(vocab.values(), default=-1) + 1, self._eos_width)
-
-    def _compile(self, backend: StructuredOutputBackend, name: str, spec: GrammarSpec) -> Any:
-        key = (name, spec.key)
-        with self._compiled_lock:
-            future = self._compiled.get(key)
-            owner = future is None
-            if owner:
-                future = self._compiled[key] = Future()
-                while len(self._compiled) > self.config.max_cache_size:
-                    self._compiled.popitem(last=False)
-            else:
-                self._compiled.move_to_end(key)
-        if owner:
-            try:
-                future.set_result(backend.compile(spec))
-                self.num_compiled += 1
-            except BaseException as exc:
-                with self._compiled_lock:
-                    self._compiled.pop(key, None)  # a later request may try again
-                future.set_exception(exc)
-        return future.result()
+    def _start_gate(self, so: StructuredOutputRequest, prompt_token_ids: list[int],
+                    tokenizer: Callable[[], Any]) -> None:
+        """With a reasoning parser (and grammars not applied while reasoning): the reasoning
+        gate (built once) and the request's first state."""
+        if not self.config.reasoning_parser or self.config.enable_in_reasoning:
+            return
+        with self._gate_lock:
+            if self._gate is None:
+                self._gate = ReasoningGate(self.config.reasoning_parser, tokenizer())
+        so.state = self._gate.initial_state(prompt_token_ids)
 
     def ready(self, request: Request) -> bool:
         """Whether the grammar is built (or failed: then `error` is set)."""
         so = request.structured_output
         if so.grammar is not None or so.error is not None:
             return True
+        if self._process is not None:
+            self._process.pump()  # builds answered since
         if not so.future.done():
             return False
         try:
-            so.grammar = so.future.result()
+            grammar = so.future.result()
+            if isinstance(grammar, Future):  # the gate is set; the process builds the grammar
+                so.future = grammar
+                return self.ready(request)
+            so.grammar = grammar
         except Exception as exc:  # validated in the front end, so a backend's own failure
-            so.error = f"{type(exc).__name__}: {exc}"
+            so.error = (str(exc) if isinstance(exc, GrammarBuildError)
+                        else f"{type(exc).__name__}: {exc}")
             logger.error("request %s: the %s grammar backend failed to build its grammar: %s",
                          request.request_id, so.backend, so.error)
         so.future = None
@@ -211,6 +241,9 @@ class StructuredOutputManager:
 
     def wait(self, timeout: float) -> None:
         """Block up to `timeout` seconds for some grammar build to finish (nothing else to do)."""
+        if self._process is not None:
+            self._process.pump(timeout)
+            return
         with self._done:
             self._done.wait(timeout)
 
@@ -232,7 +265,7 @@ class StructuredOutputManager:
                     (request, token))
         finished: list[Request] = []
         for name, rows in by_backend.items():
-            ended = self._backends[name].advance(
+            ended = self._compiler.backends[name].advance(
                 [request.structured_output.grammar for request, _ in rows], [t for _, t in rows])
             for request, _ in rows:
                 request.structured_output.num_accepted += 1
@@ -279,12 +312,14 @@ class StructuredOutputManager:
         req_ids[i]), from their grammars' current states; each backend fills its rows in one
         call (in parallel where it can). Left out, so unmasked: requests finished by the token
         folded in last (their sample is dropped), still reasoning, or with a complete grammar."""
+        if self._process is not None:
+            return self.fill_async(requests).result()
         return self._fill_rows(self._rows(requests), self._next_host_buffer())
 
     def _next_host_buffer(self) -> int | None:
         """The host buffer slot the next fill writes into (chosen on the engine thread), or
         None for a fresh array."""
-        if self._allocate_host is None:
+        if not self._host_buffers:
             return None
         slot = self._host_next
         self._host_next = (slot + 1) % len(self._host_buffers)
@@ -303,6 +338,8 @@ class StructuredOutputManager:
         the short interval the helper, back from the native fill, could wait for the GIL until
         this thread blocked on the result: 0.6-0.7 ms in a CPU experiment, 5-17 us with it.)
         """
+        if self._process is not None:
+            return self._fill_in_process(self._rows(requests), self._next_host_buffer())
         if self._fill_thread is None:
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-bitmask")
         rows = self._rows(requests)
@@ -361,26 +398,20 @@ class StructuredOutputManager:
         return constrained, by_backend, undecided, advances
 
     def _advance(self, advances: list[tuple[int, Request, list[int]]]) -> set[int]:
-        """Deferred accepts: each row's grammar takes its tokens (one token each, the usual
-        case, in one backend call per backend); returns the rows whose grammar then ends the
-        request (complete, or refusing a token: recorded for take_finished)."""
-        single: dict[str, list[tuple[int, Request, int]]] = {}
-        outcomes: list[tuple[int, Request, bool]] = []  # the rows that end, (accepted)
-        for row, request, tokens in advances:
-            if len(tokens) == 1:
-                single.setdefault(request.structured_output.backend, []).append(
-                    (row, request, tokens[0]))
-            else:  # a replay (the rows behind by more than a token): token by token
-                grammar = request.structured_output.grammar
-                ok = all(grammar.accept_token(t) for t in tokens)
-                if not ok or grammar.is_terminated():
-                    outcomes.append((row, request, ok))
-        for name, items in single.items():
-            ended_items = self._backends[name].advance(
-                [r.structured_output.grammar for _, r, _ in items], [t for _, _, t in items])
-            outcomes.extend((items[i][0], items[i][1], ok) for i, ok in ended_items)
-        ended = set()
-        for row, request, ok in outcomes:
+        """Deferred accepts: each row's grammar takes its tokens; returns the rows whose grammar
+        then ends the request (complete, or refusing a token: recorded for take_finished)."""
+        requests = {row: request for row, request, _ in advances}
+        outcomes = advance_grammars(self._compiler.backends, [
+            (row, request.structured_output.backend, request.structured_output.grammar, tokens)
+            for row, request, tokens in advances])
+        return self._record_endings(outcomes, requests)
+
+    def _record_endings(self, outcomes: list[tuple[int, bool]],
+                        requests: dict[int, Request]) -> set[int]:
+        """Mark the requests of the rows whose grammar ended (row, accepted) for take_finished;
+        returns those rows."""
+        for row, ok in outcomes:
+            request = requests[row]
             so = request.structured_output
             if not ok:
                 logger.error("request %s: the grammar refused a sampled token; aborting it",
@@ -389,8 +420,10 @@ class StructuredOutputManager:
             else:
                 so.ended = RequestStatus.FINISHED_STOPPED
             self._finished.append((request, so.ended))
-            ended.add(row)
-        return ended
+        return {row for row, _ in outcomes}
+
+    def _bitmask_shape(self, constrained: list[Request]) -> tuple[int, int]:
+        return (len(constrained), (self.vocab_size + 31) // 32)
 
     def _fill_rows(self, rows: tuple, slot: int | None = None) -> GrammarBitmask:
         import numpy as np
@@ -404,10 +437,9 @@ class StructuredOutputManager:
         # torch.full: a torch op on the host wakes its thread pool, whose spinning threads then
         # compete with the grammar backends' fill threads (4x slower on an H200 host with 16
         # cores).
-        shape = (len(constrained), (self.vocab_size + 31) // 32)
+        shape = self._bitmask_shape(constrained)
         if slot is None:
-            array = np.full(shape, -1, dtype=np.int32)
-            bitmask = torch.from_numpy(array)
+            bitmask = torch.from_numpy(np.full(shape, -1, dtype=np.int32))
         else:
             buffer = self._host_buffers[slot]
             numel = shape[0] * shape[1]
@@ -415,27 +447,66 @@ class StructuredOutputManager:
                 buffer = self._host_buffers[slot] = self._allocate_host(  # type: ignore[misc]
                     max(numel, 2 * (0 if buffer is None else buffer.numel())))
             bitmask = buffer[:numel].view(shape)
-            array = bitmask.numpy()
-            array.fill(-1)
+            bitmask.numpy().fill(-1)
         start = time.perf_counter()
-        for name, (grammars, row_ids) in by_backend.items():
-            if ended:
-                kept = [(g, r) for g, r in zip(grammars, row_ids) if r not in ended]
-                if not kept:
-                    continue
-                grammars, row_ids = [g for g, _ in kept], [r for _, r in kept]
-            self._backends[name].fill_bitmasks(grammars, bitmask, row_ids)
+        fill_grammar_rows(self._compiler.backends, by_backend, bitmask, ended)
         self.last_fill = (start, time.perf_counter())
+        return self._finish_bitmask(constrained, undecided, bitmask)
+
+    def _finish_bitmask(self, constrained: list[Request], undecided: list[int],
+                        bitmask: Any) -> GrammarBitmask:
+        import numpy as np
+
         if undecided:  # the first token may also open a reasoning block
             start_id = self._gate.start_id  # type: ignore[union-attr]
             word, bit = divmod(start_id, 32)
-            array[undecided, word] |= np.array(1 << bit, dtype=np.int64).astype(np.int32)
+            bitmask.numpy()[undecided, word] |= np.array(1 << bit, dtype=np.int64).astype(
+                np.int32)
         return GrammarBitmask([r.request_id for r in constrained], bitmask)
 
+    def _fill_in_process(self, rows: tuple, slot: int | None) -> PendingProcessFill:
+        """Send a fill to the grammar process; its result is taken when asked for."""
+        constrained, by_backend, undecided, advances = rows
+        process = self._process
+        assert slot is not None and process is not None
+        seq, bitmask = process.fill(
+            [(row, r.structured_output.backend, r.structured_output.grammar, tokens)
+             for row, r, tokens in advances],
+            by_backend, slot, self._bitmask_shape(constrained))
+        return PendingProcessFill(self, seq, constrained, undecided, bitmask,
+                                  {row: request for row, request, _ in advances})
+
     def shutdown(self) -> None:
+        if self._process is not None:
+            self._process.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
         if self._fill_thread is not None:
             self._fill_thread.shutdown(wait=True)
             self._fill_thread = None
+
+
+class PendingProcessFill:
+    """A fill sent to the grammar process; `result()` (on the engine thread) waits for its
+    answer and gives the bitmask, as fill_async's future does."""
+
+    def __init__(self, manager: StructuredOutputManager, seq: int, constrained: list[Request],
+                 undecided: list[int], bitmask: Any, advanced: dict[int, Request]) -> None:
+        self._manager = manager
+        self._seq = seq
+        self._constrained = constrained
+        self._undecided = undecided
+        self._bitmask = bitmask
+        self._advanced = advanced
+        self._result: GrammarBitmask | None = None
+
+    def result(self) -> GrammarBitmask:
+        if self._result is None:
+            manager = self._manager
+            outcomes, start, end = manager._process.reply(self._seq)
+            manager._record_endings(outcomes, self._advanced)
+            manager.last_fill = (start, end)
+            self._result = manager._finish_bitmask(self._constrained, self._undecided,
+                                                   self._bitmask)
+        return self._result

@@ -1,0 +1,373 @@
+"""The grammar process: structured outputs' per-step host work in a process of its own.
+
+Under async scheduling on a GPU a step's masked sampling waits for its bitmask, and the bitmask
+needs the step before's tokens accepted by the grammars (ember.core.engine_core). On the engine
+thread those accepts, and a fill thread's hand-overs, compete for the interpreter that also
+schedules, launches and detokenizes (xgrammar's batched accept holds the GIL). Here the
+grammars live in a spawned process: a step's message carries the tokens each grammar has not
+seen and the rows to fill; the process accepts them, fills the rows straight into a shared
+host buffer (page-locked in the engine's process, so the runner copies it to the device as it
+is) and answers with the rows whose grammar ended. The engine thread meanwhile hands its
+outputs over and schedules the next step; it reads the answer only when it launches the
+sampling.
+
+`GrammarProcess` is the engine's side (it starts `python -m
+ember.structured_output.grammar_process`): one pipe, read only by the engine thread (`pump`,
+`reply`); grammar builds are answered on the same pipe. `run_grammar_process` is the other
+side. A request's grammar in the engine is a `RemoteGrammar` (a key); the process drops its
+matcher once the handle is collected. The bitmask buffers are files under /dev/shm, unlinked
+as soon as both processes have mapped them, so nothing outlives the two processes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ember.structured_output.config import StructuredOutputsConfig
+from ember.structured_output.interface import GrammarSpec
+
+logger = logging.getLogger("ember")
+
+STOP_TIMEOUT_SECONDS = 5.0
+
+
+class GrammarBuildError(Exception):
+    """A grammar the process could not build; the message names the backend's error."""
+
+
+class RemoteGrammar:
+    """A request's grammar in the grammar process (the engine's handle)."""
+
+    __slots__ = ("key", "__weakref__")
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+
+class SharedHostBuffer:
+    """A flat int32 host buffer in shared memory; `pin` page-locks it in this process (it
+    returns the undo, or None where the platform does not)."""
+
+    def __init__(self, numel: int, pin: Callable[[Any], Callable[[], None] | None] | None):
+        import torch
+
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, self.path = tempfile.mkstemp(prefix="ember-grammar-", dir=directory)
+        try:
+            os.ftruncate(fd, numel * 4)
+            region = mmap.mmap(fd, numel * 4)
+        finally:
+            os.close(fd)
+        self.numel = numel
+        self.linked = True
+        # frombuffer keeps `region` alive as long as the tensor's storage.
+        self.tensor = torch.frombuffer(region, dtype=torch.int32)
+        self._unpin = pin(self.tensor) if pin is not None else None
+
+    def unlink(self) -> None:
+        """Remove the file's name (the mappings stay): once the other process has mapped it."""
+        if self.linked:
+            self.linked = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self.unlink()
+        if self._unpin is not None:
+            unpin, self._unpin = self._unpin, None
+            unpin()
+
+
+class GrammarProcess:
+    """The engine's side of the grammar process (see the module docstring)."""
+
+    def __init__(self, config: StructuredOutputsConfig, load_tokenizer: Callable[[], Any],
+                 vocab_size: int, eos_width: int, buffers: int,
+                 pin: Callable[[Any], Callable[[], None] | None] | None = None) -> None:
+        from multiprocessing.connection import Connection
+
+        from ember.registry import snapshot
+
+        # A plain subprocess, not multiprocessing's spawn: spawn runs the user's main script
+        # again in the child, which a script without an `if __name__ == "__main__"` guard
+        # (LLM.generate at its top level) cannot take.
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "ember.structured_output.grammar_process",
+                 str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env)
+        finally:
+            theirs.close()
+        self._conn = Connection(ours.detach())
+        level = logging.getLevelName(logger.getEffectiveLevel())
+        self._conn.send((snapshot(), config, load_tokenizer, vocab_size, eos_width, level))
+        atexit.register(self.close)
+        self._pin = pin
+        self._send_lock = threading.Lock()
+        self._next_key = 0
+        self._builds: dict[int, tuple[Future, RemoteGrammar]] = {}
+        self._replies: dict[int, tuple] = {}
+        self._next_seq = 0
+        # Keys whose handle was collected (appended by finalizers, on any thread).
+        self._free: collections.deque[int] = collections.deque()
+        self._buffers: list[SharedHostBuffer | None] = [None] * buffers
+        self._unlink_after: dict[int, SharedHostBuffer] = {}  # seq -> buffer it maps first
+        self.vocab_size = vocab_size  # the process's bitmask width (set with its tokenizer)
+        self.num_compiled = 0
+        self.live_grammars = 0  # the process's matchers at its last answer (tests, leaks)
+        self.closed = False
+
+    # ---- grammars ----------------------------------------------------------------------
+    def add(self, backend: str, spec: GrammarSpec, stop_ids: list[int]) -> Future:
+        """Build a grammar in the process; the future (set by `pump`) gives its RemoteGrammar,
+        or raises GrammarBuildError."""
+        with self._send_lock:
+            key, self._next_key = self._next_key, self._next_key + 1
+            handle = RemoteGrammar(key)
+            weakref.finalize(handle, self._free.append, key)  # the deque is never replaced
+            future: Future = Future()
+            self._builds[key] = (future, handle)
+            self._send(("add", self._take_free(), key, backend, spec, stop_ids))
+        return future
+
+    def _take_free(self) -> list[int]:
+        free = []
+        try:
+            while True:
+                free.append(self._free.popleft())
+        except IndexError:
+            return free
+
+    def fill(self, advances: list[tuple[int, str, RemoteGrammar, list[int]]],
+             by_backend: dict[str, tuple[list[RemoteGrammar], list[int]]], slot: int,
+             shape: tuple[int, int]) -> tuple[int, Any]:
+        """Ask for a step's grammar work: each advance's grammar takes its tokens, then the
+        rows are filled into buffer `slot` as an int32 [rows, words] array (rows of grammars
+        that end are left all ones). Returns (the reply's sequence number, the filled view)."""
+        numel = shape[0] * shape[1]
+        buffer = self._buffers[slot]
+        path = None
+        if buffer is None or buffer.numel < numel:
+            old = 0 if buffer is None else buffer.numel
+            if buffer is not None:
+                buffer.close()
+            buffer = self._buffers[slot] = SharedHostBuffer(max(numel, 2 * old, 1), self._pin)
+            path = buffer.path
+        with self._send_lock:
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            if path is not None:
+                self._unlink_after[seq] = buffer
+            self._send((
+                "fill", self._take_free(), seq,
+                [(row, name, grammar.key, tokens) for row, name, grammar, tokens in advances],
+                {name: ([g.key for g in grammars], rows)
+                 for name, (grammars, rows) in by_backend.items()},
+                slot, path, buffer.numel, shape))
+        return seq, buffer.tensor[:numel].view(shape)
+
+    # ---- answers -----------------------------------------------------------------------
+    def pump(self, timeout: float = 0.0) -> None:
+        """Take what the process has sent (waiting up to `timeout` for the first message)."""
+        conn = self._conn
+        while conn.poll(timeout):
+            self._dispatch(self._recv())
+            timeout = 0.0
+
+    def reply(self, seq: int) -> tuple:
+        """The answer to fill `seq`: (rows that end, as (row, accepted)), fill start, fill end)
+        (perf_counter, shared by the two processes); waits for it."""
+        while seq not in self._replies:
+            self._dispatch(self._recv())
+        return self._replies.pop(seq)
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self._conn.send(message)
+        except OSError as exc:
+            raise self._exited() from exc
+
+    def _recv(self) -> tuple:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise self._exited() from exc
+
+    def _exited(self) -> RuntimeError:
+        try:
+            code = self.process.wait(1.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        return RuntimeError(f"the grammar process exited (exit code {code}); its log above "
+                            "says why")
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "built":
+            _, key, error, self.vocab_size, self.num_compiled = message
+            future, handle = self._builds.pop(key)
+            if error is None:
+                future.set_result(handle)
+            else:
+                future.set_exception(GrammarBuildError(error))
+        elif kind == "filled":
+            _, seq, outcomes, start, end, self.live_grammars = message
+            buffer = self._unlink_after.pop(seq, None)
+            if buffer is not None:
+                buffer.unlink()
+            self._replies[seq] = (outcomes, start, end)
+        elif kind == "failed":
+            raise RuntimeError(f"the grammar process failed a step: {message[2]}")
+
+    def close(self) -> None:
+        """Stop the process and release the buffers (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.close)
+        try:
+            with self._send_lock:
+                self._conn.send(("stop",))
+        except (OSError, ValueError):
+            pass
+        try:
+            self.process.wait(STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._conn.close()
+        for buffer in self._buffers:
+            if buffer is not None:
+                buffer.close()
+        self._buffers = [None] * len(self._buffers)
+
+
+# ---- the process -----------------------------------------------------------------------
+def run_grammar_process(fd: int) -> None:
+    """The grammar process's loop: its setup is the first message; builds run on a pool,
+    steps on this thread, until "stop" or the engine's end of the pipe closes."""
+    from multiprocessing.connection import Connection
+
+    conn = Connection(fd)
+    try:
+        registry_snapshot, config, load_tokenizer, vocab_size, eos_width, level = conn.recv()
+    except (EOFError, OSError):
+        return
+    logging.basicConfig(level=level, format="%(levelname)s ember-grammar: %(message)s")
+    from ember.registry import restore
+
+    restore(registry_snapshot)
+    _GrammarServer(conn, config, load_tokenizer, vocab_size, eos_width).serve()
+
+
+class _GrammarServer:
+    def __init__(self, conn: Any, config: StructuredOutputsConfig,
+                 load_tokenizer: Callable[[], Any], vocab_size: int, eos_width: int) -> None:
+        from ember.structured_output.compiler import GrammarCompiler
+
+        self.conn = conn
+        self.compiler = GrammarCompiler(config, load_tokenizer, vocab_size, eos_width)
+        self.grammars: dict[int, Any] = {}
+        self.building: set[int] = set()
+        self.freed_while_building: set[int] = set()
+        self.lock = threading.Lock()  # the pipe's sends, and the three collections above
+        workers = max(1, min(4, (os.cpu_count() or 2) - 1))
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="ember-grammar")
+        self.buffers: dict[int, Any] = {}  # slot -> flat int32 tensor over the shared file
+
+    def serve(self) -> None:
+        try:
+            while True:
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    return  # the engine is gone
+                kind = message[0]
+                if kind == "stop":
+                    return
+                self._free(message[1])
+                if kind == "add":
+                    _, _, key, backend, spec, stop_ids = message
+                    with self.lock:
+                        self.building.add(key)
+                    self.pool.submit(self._build, key, backend, spec, stop_ids)
+                elif kind == "fill":
+                    self._fill(*message[2:])
+        finally:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _send(self, message: tuple) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+    def _free(self, keys: list[int]) -> None:
+        if keys:
+            with self.lock:
+                for key in keys:
+                    if self.grammars.pop(key, None) is None and key in self.building:
+                        self.freed_while_building.add(key)
+
+    def _build(self, key: int, backend: str, spec: GrammarSpec, stop_ids: list[int]) -> None:
+        error = None
+        try:
+            grammar = self.compiler.build(backend, spec, stop_ids)
+        except Exception as exc:  # validated in the front end, so a backend's own failure
+            grammar, error = None, f"{type(exc).__name__}: {exc}"
+        with self.lock:
+            self.building.discard(key)
+            if key in self.freed_while_building:
+                self.freed_while_building.discard(key)
+            elif grammar is not None:
+                self.grammars[key] = grammar
+            self.conn.send(("built", key, error, self.compiler.vocab_size,
+                            self.compiler.num_compiled))
+
+    def _fill(self, seq: int, advances: list, by_backend: dict, slot: int, path: str | None,
+              numel: int, shape: tuple[int, int]) -> None:
+        from ember.structured_output.compiler import advance_grammars, fill_grammar_rows
+
+        try:
+            if path is not None:
+                self.buffers[slot] = _map_shared(path, numel)
+            grammars = self.grammars
+            outcomes = advance_grammars(self.compiler.backends, [
+                (row, name, grammars[key], tokens) for row, name, key, tokens in advances])
+            bitmask = self.buffers[slot][:shape[0] * shape[1]].view(shape)
+            bitmask.numpy().fill(-1)
+            start = time.perf_counter()
+            fill_grammar_rows(self.compiler.backends, {
+                name: ([grammars[k] for k in keys], rows)
+                for name, (keys, rows) in by_backend.items()},
+                bitmask, {row for row, _ in outcomes})
+            self._send(("filled", seq, outcomes, start, time.perf_counter(), len(grammars)))
+        except Exception as exc:
+            logger.exception("grammar step failed")
+            self._send(("failed", seq, f"{type(exc).__name__}: {exc}"))
+
+
+def _map_shared(path: str, numel: int) -> Any:
+    import torch
+
+    with open(path, "r+b") as file:
+        region = mmap.mmap(file.fileno(), numel * 4)
+    return torch.frombuffer(region, dtype=torch.int32)
+
+
+if __name__ == "__main__":
+    run_grammar_process(int(sys.argv[1]))

@@ -1,0 +1,133 @@
+"""The grammar process (EMBER_GRAMMAR_PROCESS=1, the default where sampling waits for the bitmask
+on a GPU): the same tokens as the grammars on the engine's threads, synchronous and async
+scheduling, n > 1 and unconstrained requests in the batch; matchers freed with their requests; a
+backend's build error reported as one; the process's death an error, not a hang; nothing left
+behind by shutdown (process, shared files)."""
+
+from __future__ import annotations
+
+import gc
+import glob
+import json
+
+import pytest
+from conftest import assert_all_blocks_free
+
+from ember import LLM, SamplingParams, StructuredOutputsParams
+from ember.structured_output.interface import StructuredOutputBackend
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "tags"]}
+PROMPTS = ["Give a person as JSON.", "A city:", "Pick one:", "Tags:", "Write a regex match:"]
+
+
+def _params() -> list[SamplingParams]:
+    so = StructuredOutputsParams
+    return [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so(json=SCHEMA)),
+            SamplingParams(temperature=0.0, max_tokens=8,
+                           structured_outputs=so(choice=["Paris", "London", "Berlin"])),
+            SamplingParams(temperature=0.0, max_tokens=12),  # unconstrained in the batch
+            SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=30,
+                           structured_outputs=so(json=SCHEMA)),
+            SamplingParams(temperature=0.0, max_tokens=16,
+                           structured_outputs=so(regex=r"[a-z]{2,6}-\d{3}"))]
+
+
+def _token_ids(llm: LLM) -> list[list[list[int]]]:
+    outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+def _shared_files() -> set[str]:
+    return set(glob.glob("/dev/shm/ember-grammar-*"))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_process_gives_the_threads_tokens(monkeypatch, async_scheduling):
+    before = _shared_files()
+    monkeypatch.setenv("EMBER_GRAMMAR_PROCESS", "0")
+    threads = LLM(max_model_len=256, async_scheduling=async_scheduling)
+    assert not threads.llm_engine.engine_core.structured_output.uses_process
+    expected = _token_ids(threads)
+    threads.shutdown()
+    monkeypatch.setenv("EMBER_GRAMMAR_PROCESS", "1")
+    llm = LLM(max_model_len=256, async_scheduling=async_scheduling)
+    manager = llm.llm_engine.engine_core.structured_output
+    assert manager.uses_process and manager.defer_accepts
+    assert _token_ids(llm) == expected
+    outs = llm.generate(PROMPTS[:1], _params()[:1], use_tqdm=False)
+    json.loads(outs[0].outputs[0].text)
+    assert_all_blocks_free(llm)
+    # The finished requests' matchers are gone: the last fill saw only its own request's.
+    gc.collect()
+    llm.generate(PROMPTS[:1], _params()[:1], use_tqdm=False)
+    assert manager._process.live_grammars == 1
+    process = manager._process.process
+    llm.shutdown()
+    assert process.poll() is not None  # exited
+    assert _shared_files() <= before  # every buffer unlinked
+
+
+class FailingBackend(StructuredOutputBackend):
+    """Refuses nothing up front, fails every compile (module level: the process imports it)."""
+
+    @classmethod
+    def validate(cls, spec):
+        return None
+
+    def __init__(self, tokenizer, vocab_size, config):
+        pass
+
+    def compile(self, spec):
+        raise RuntimeError(f"cannot compile {spec.kind} here")
+
+    def new_grammar(self, compiled, stop_token_ids):
+        raise AssertionError("never built")
+
+
+def test_a_build_error_in_the_process_ends_its_request_only(monkeypatch):
+    from ember.registry import GrammarBackendRegistry, isolated
+
+    monkeypatch.setenv("EMBER_GRAMMAR_PROCESS", "1")
+    with isolated():
+        GrammarBackendRegistry.register_grammar_backend("failing_here", FailingBackend)
+        llm = LLM(max_model_len=128, structured_outputs_config={"backend": "failing_here"})
+        outs = llm.generate(["a", "b"], [
+            SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(regex="x+")),
+            SamplingParams(max_tokens=5)], use_tqdm=False)
+        assert outs[0].outputs[0].finish_reason == "abort"
+        assert len(outs[1].outputs[0].token_ids) == 5
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+
+
+def test_the_process_dying_is_an_error_not_a_hang(monkeypatch):
+    monkeypatch.setenv("EMBER_GRAMMAR_PROCESS", "1")
+    llm = LLM(max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)  # starts it
+    process = llm.llm_engine.engine_core.structured_output._process.process
+    process.kill()
+    process.wait()
+    with pytest.raises(RuntimeError, match="grammar process exited"):
+        llm.generate(PROMPTS[:1], params, use_tqdm=False)
+
+
+def test_grammar_process_setting(monkeypatch):
+    from ember import envs
+
+    for value, expected in [(None, None), ("auto", None), ("0", False), ("1", True)]:
+        if value is None:
+            monkeypatch.delenv("EMBER_GRAMMAR_PROCESS", raising=False)
+        else:
+            monkeypatch.setenv("EMBER_GRAMMAR_PROCESS", value)
+        assert envs.grammar_process() is expected
+    monkeypatch.setenv("EMBER_GRAMMAR_PROCESS", "yes")
+    with pytest.raises(ValueError, match="EMBER_GRAMMAR_PROCESS"):
+        envs.grammar_process()
+    # The default on the CPU (no device to wait for): the engine's threads.
+    monkeypatch.delenv("EMBER_GRAMMAR_PROCESS")
+    assert not LLM(max_model_len=128).llm_engine.engine_core.structured_output.uses_process
