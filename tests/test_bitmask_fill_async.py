@@ -34,7 +34,7 @@ def test_fill_async_equals_fill(backend):
         while not all(manager.ready(r) for r in requests):
             manager.wait(0.01)
         seen_inside: list[float] = []  # the switch interval while a backend fills
-        engine = manager._backends[backend]
+        engine = manager._compiler.backends[backend]
         native_fill = engine.fill_bitmasks
 
         def watched_fill(*args):

@@ -130,4 +130,23 @@ def test_grammar_process_setting(monkeypatch):
         envs.grammar_process()
     # The default on the CPU (no device to wait for): the engine's threads.
     monkeypatch.delenv("EMBER_GRAMMAR_PROCESS")
-    assert not LLM(max_model_len=128).llm_engine.engine_core.structured_output.uses_process
+    core = LLM(max_model_len=128, device="cpu").llm_engine.engine_core
+    assert not core.structured_output.uses_process
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_process_is_the_default_and_fills_page_locked_memory(monkeypatch,
+                                                                          tmp_path):
+    from test_structured_outputs import _byte_level_model
+
+    model = _byte_level_model(tmp_path)  # the GPU machine has no default model
+    monkeypatch.delenv("EMBER_GRAMMAR_PROCESS", raising=False)
+    llm = LLM(model, max_model_len=256, device="cuda")
+    manager = llm.llm_engine.engine_core.structured_output
+    assert manager.uses_process and llm.llm_engine.engine_core.defers_grammar_sampling
+    tokens = _token_ids(llm)
+    buffers = [b for b in manager._process._buffers if b is not None]
+    assert buffers and all(b.tensor.is_pinned() for b in buffers)
+    llm.shutdown()
+    monkeypatch.setenv("EMBER_GRAMMAR_PROCESS", "0")
+    assert _token_ids(LLM(model, max_model_len=256, device="cuda")) == tokens

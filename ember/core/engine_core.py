@@ -198,9 +198,6 @@ class EngineCore(EngineCoreControl):
             folded = self._fold_in(prev[0], prev[1].resolve())
         scheduler = self.scheduler
         plan = scheduler.schedule()
-        if self._pending_bitmask is not None:  # filled while the engine scheduled
-            timer.mark("schedule")
-            self._launch_deferred_sampling()
         grammar_rows = (structured.sampling_rows(plan)
                         if structured.in_use and plan.scheduled_requests else None)
         if grammar_rows:
@@ -209,7 +206,18 @@ class EngineCore(EngineCoreControl):
             else:
                 plan.grammar_bitmask = structured.fill(grammar_rows)
         timer.mark("schedule")
-        launched = None if plan.is_empty else (plan, self.executor.launch(plan))
+        # The step in flight's bitmask is being filled meanwhile: its sampling is launched
+        # once this step's host inputs are built (their time is the fill's), before this
+        # step's device work, which reads the sampled tokens.
+        sample = self._launch_deferred_sampling if self._pending_bitmask is not None else None
+        if plan.is_empty:
+            launched = None
+            if sample is not None:
+                sample()
+        elif sample is not None:
+            launched = (plan, self.executor.launch(plan, before_device=sample))
+        else:
+            launched = (plan, self.executor.launch(plan))
         # Requests whose grammar the last fill found complete end now that this step is
         # launched (they may be in it, as in the step in flight: their tokens are dropped).
         self._end_finished_grammars()
@@ -270,14 +278,17 @@ class EngineCore(EngineCoreControl):
     def _launch_deferred_sampling(self) -> None:
         """Launch the in-flight step's sampling under the bitmask filled for it meanwhile."""
         pending, self._pending_bitmask = self._pending_bitmask, None
+        timer = self.timer
+        timer.mark("prepare")  # the next step's host work, when called from its launch
         waited_from = time.perf_counter()
         bitmask = pending.result()
-        timer = self.timer
         timer.mark("grammar")
         if timer.enabled:  # the helper's side: its backend fill, and how much of it was waited on
             start, end = self.structured_output.last_fill
             timer.add("helper: fill", end - start)
             timer.add("helper: fill still running at the wait", max(0.0, end - waited_from))
+            for phase, seconds in self.structured_output.last_fill_phases.items():
+                timer.add(phase, seconds)
         self.executor.finish_sampling(self._in_flight[1], bitmask)
         timer.mark("sample")
 

@@ -40,9 +40,12 @@ class UniProcExecutor:
 
         self.control = WorkerControl(self.runner, args, self.num_blocks)
 
-    def launch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
-        """Start a step without waiting; `.resolve()` on the result gives its ModelRunnerOutput."""
-        return self.runner.launch(scheduler_output)
+    def launch(self, scheduler_output: SchedulerOutput,
+               before_device: Callable[[], None] | None = None) -> InFlightStep:
+        """Start a step without waiting; `.resolve()` on the result gives its ModelRunnerOutput.
+        ``before_device``: called between the step's host work and its device work (the step
+        in flight's deferred sampling, see ModelRunner.launch)."""
+        return self.runner.launch(scheduler_output, before_device)
 
     # The engine core may launch a step with `grammar_deferred` and give its bitmask later.
     defers_grammar_sampling = True

@@ -89,25 +89,46 @@ class GrammarCompiler:
         return future.result()
 
 
-def advance_grammars(backends: dict[str, StructuredOutputBackend],
-                     advances: list[tuple[int, str, Grammar, list[int]]],
-                     ) -> list[tuple[int, bool]]:
-    """Each row's grammar takes its tokens ((row, backend name, grammar, tokens); one token
-    each, the usual case, in one backend call per backend; more are replayed token by token);
-    returns the rows whose grammar then ends its request, as (row, accepted): accepted False,
-    it refused a token; True, it is complete."""
-    single: dict[str, list[tuple[int, Grammar, int]]] = {}
-    outcomes: list[tuple[int, bool]] = []
-    for row, name, grammar, tokens in advances:
+class Advances:
+    """A step's tokens for the grammars that have not seen them, grouped for the backends:
+    `single[name]` = (rows, grammars, tokens) of backend `name`'s rows that take one token (the
+    usual case: one backend call for them), `replays` = (row, grammar, tokens) of the rows
+    behind by more (replayed token by token). A grammar is whatever the holder uses for one
+    (a matcher, or the grammar process's key)."""
+
+    __slots__ = ("single", "replays")
+
+    def __init__(self) -> None:
+        self.single: dict[str, tuple[list[int], list[Any], list[int]]] = {}
+        self.replays: list[tuple[int, str, Any, list[int]]] = []
+
+    def add(self, row: int, backend: str, grammar: Any, tokens: list[int]) -> None:
         if len(tokens) == 1:
-            single.setdefault(name, []).append((row, grammar, tokens[0]))
+            entry = self.single.get(backend)
+            if entry is None:
+                entry = self.single[backend] = ([], [], [])
+            entry[0].append(row)
+            entry[1].append(grammar)
+            entry[2].append(tokens[0])
         else:
-            ok = all(grammar.accept_token(t) for t in tokens)
-            if not ok or grammar.is_terminated():
-                outcomes.append((row, ok))
-    for name, items in single.items():
-        ended = backends[name].advance([g for _, g, _ in items], [t for _, _, t in items])
-        outcomes.extend((items[i][0], ok) for i, ok in ended)
+            self.replays.append((row, backend, grammar, tokens))
+
+    def __bool__(self) -> bool:
+        return bool(self.single or self.replays)
+
+
+def advance_grammars(backends: dict[str, StructuredOutputBackend],
+                     advances: Advances) -> list[tuple[int, bool]]:
+    """Each row's grammar takes its tokens; returns the rows whose grammar then ends its
+    request, as (row, accepted): accepted False, it refused a token; True, it is complete."""
+    outcomes: list[tuple[int, bool]] = []
+    for row, _, grammar, tokens in advances.replays:
+        ok = all(grammar.accept_token(t) for t in tokens)
+        if not ok or grammar.is_terminated():
+            outcomes.append((row, ok))
+    for name, (rows, grammars, tokens) in advances.single.items():
+        ended = backends[name].advance(grammars, tokens)
+        outcomes.extend((rows[i], ok) for i, ok in ended)
     return outcomes
 
 

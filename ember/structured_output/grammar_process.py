@@ -37,6 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ember.structured_output.compiler import Advances
 from ember.structured_output.config import StructuredOutputsConfig
 from ember.structured_output.interface import GrammarSpec
 
@@ -125,6 +126,7 @@ class GrammarProcess:
         self._builds: dict[int, tuple[Future, RemoteGrammar]] = {}
         self._replies: dict[int, tuple] = {}
         self._next_seq = 0
+        self._sent_at: dict[int, float] = {}
         # Keys whose handle was collected (appended by finalizers, on any thread).
         self._free: collections.deque[int] = collections.deque()
         self._buffers: list[SharedHostBuffer | None] = [None] * buffers
@@ -155,12 +157,15 @@ class GrammarProcess:
         except IndexError:
             return free
 
-    def fill(self, advances: list[tuple[int, str, RemoteGrammar, list[int]]],
-             by_backend: dict[str, tuple[list[RemoteGrammar], list[int]]], slot: int,
-             shape: tuple[int, int]) -> tuple[int, Any]:
-        """Ask for a step's grammar work: each advance's grammar takes its tokens, then the
-        rows are filled into buffer `slot` as an int32 [rows, words] array (rows of grammars
-        that end are left all ones). Returns (the reply's sequence number, the filled view)."""
+    def fill(self, advances: Advances, by_backend: dict[str, tuple[list[RemoteGrammar],
+                                                                   list[int]]],
+             slot: int, shape: tuple[int, int]) -> tuple[int, Any]:
+        """Ask for a step's grammar work: the grammars take their tokens, then the rows are
+        filled into buffer `slot` as an int32 [rows, words] array (rows of grammars that end
+        are left all ones). Returns (the reply's sequence number, the filled view). Rows, keys
+        and tokens go as int arrays (a pickled list of tuples cost ~0.2 ms a step)."""
+        import numpy as np
+
         numel = shape[0] * shape[1]
         buffer = self._buffers[slot]
         path = None
@@ -170,16 +175,22 @@ class GrammarProcess:
                 buffer.close()
             buffer = self._buffers[slot] = SharedHostBuffer(max(numel, 2 * old, 1), self._pin)
             path = buffer.path
+
+        def keys(grammars: list[RemoteGrammar]) -> Any:
+            return np.fromiter((g.key for g in grammars), np.int64, len(grammars))
+
+        single = {name: (np.array(rows, np.int32), keys(grammars), np.array(tokens, np.int32))
+                  for name, (rows, grammars, tokens) in advances.single.items()}
+        replays = [(row, name, g.key, tokens) for row, name, g, tokens in advances.replays]
+        fills = {name: (keys(grammars), np.array(rows, np.int32))
+                 for name, (grammars, rows) in by_backend.items()}
         with self._send_lock:
             seq, self._next_seq = self._next_seq, self._next_seq + 1
             if path is not None:
                 self._unlink_after[seq] = buffer
-            self._send((
-                "fill", self._take_free(), seq,
-                [(row, name, grammar.key, tokens) for row, name, grammar, tokens in advances],
-                {name: ([g.key for g in grammars], rows)
-                 for name, (grammars, rows) in by_backend.items()},
-                slot, path, buffer.numel, shape))
+            self._sent_at[seq] = time.perf_counter()
+            self._send(("fill", self._take_free(), seq, single, replays, fills, slot, path,
+                        buffer.numel, shape))
         return seq, buffer.tensor[:numel].view(shape)
 
     # ---- answers -----------------------------------------------------------------------
@@ -191,8 +202,9 @@ class GrammarProcess:
             timeout = 0.0
 
     def reply(self, seq: int) -> tuple:
-        """The answer to fill `seq`: (rows that end, as (row, accepted)), fill start, fill end)
-        (perf_counter, shared by the two processes); waits for it."""
+        """The answer to fill `seq`: (the rows that end, as (row, accepted); the fill's start
+        and end (perf_counter, shared by the two processes); seconds by phase, for step
+        timing); waits for it."""
         while seq not in self._replies:
             self._dispatch(self._recv())
         return self._replies.pop(seq)
@@ -227,11 +239,15 @@ class GrammarProcess:
             else:
                 future.set_exception(GrammarBuildError(error))
         elif kind == "filled":
-            _, seq, outcomes, start, end, self.live_grammars = message
+            _, seq, outcomes, (received, advanced, start, end), self.live_grammars = message
             buffer = self._unlink_after.pop(seq, None)
             if buffer is not None:
                 buffer.unlink()
-            self._replies[seq] = (outcomes, start, end)
+            sent = self._sent_at.pop(seq)
+            self._replies[seq] = (outcomes, start, end, {
+                "process: message in flight": received - sent,
+                "process: accepts": advanced - received,
+                "process: reply in flight": time.perf_counter() - end})
         elif kind == "failed":
             raise RuntimeError(f"the grammar process failed a step: {message[2]}")
 
@@ -290,6 +306,7 @@ class _GrammarServer:
         workers = max(1, min(4, (os.cpu_count() or 2) - 1))
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="ember-grammar")
         self.buffers: dict[int, Any] = {}  # slot -> flat int32 tensor over the shared file
+        self.received = 0.0  # perf_counter when the message in hand arrived
 
     def serve(self) -> None:
         try:
@@ -298,6 +315,7 @@ class _GrammarServer:
                     message = self.conn.recv()
                 except (EOFError, OSError):
                     return  # the engine is gone
+                self.received = time.perf_counter()
                 kind = message[0]
                 if kind == "stop":
                     return
@@ -338,24 +356,35 @@ class _GrammarServer:
             self.conn.send(("built", key, error, self.compiler.vocab_size,
                             self.compiler.num_compiled))
 
-    def _fill(self, seq: int, advances: list, by_backend: dict, slot: int, path: str | None,
-              numel: int, shape: tuple[int, int]) -> None:
-        from ember.structured_output.compiler import advance_grammars, fill_grammar_rows
+    def _fill(self, seq: int, single: dict, replays: list, fills: dict, slot: int,
+              path: str | None, numel: int, shape: tuple[int, int]) -> None:
+        from ember.structured_output.compiler import (
+            Advances,
+            advance_grammars,
+            fill_grammar_rows,
+        )
 
         try:
             if path is not None:
                 self.buffers[slot] = _map_shared(path, numel)
             grammars = self.grammars
-            outcomes = advance_grammars(self.compiler.backends, [
-                (row, name, grammars[key], tokens) for row, name, key, tokens in advances])
+            advances = Advances()
+            advances.single = {
+                name: (rows.tolist(), [grammars[k] for k in keys.tolist()], tokens.tolist())
+                for name, (rows, keys, tokens) in single.items()}
+            advances.replays = [(row, name, grammars[key], tokens)
+                                for row, name, key, tokens in replays]
+            outcomes = advance_grammars(self.compiler.backends, advances)
+            advanced = time.perf_counter()
             bitmask = self.buffers[slot][:shape[0] * shape[1]].view(shape)
             bitmask.numpy().fill(-1)
             start = time.perf_counter()
             fill_grammar_rows(self.compiler.backends, {
-                name: ([grammars[k] for k in keys], rows)
-                for name, (keys, rows) in by_backend.items()},
+                name: ([grammars[k] for k in keys.tolist()], rows.tolist())
+                for name, (keys, rows) in fills.items()},
                 bitmask, {row for row, _ in outcomes})
-            self._send(("filled", seq, outcomes, start, time.perf_counter(), len(grammars)))
+            times = (self.received, advanced, start, time.perf_counter())
+            self._send(("filled", seq, outcomes, times, len(grammars)))
         except Exception as exc:
             logger.exception("grammar step failed")
             self._send(("failed", seq, f"{type(exc).__name__}: {exc}"))

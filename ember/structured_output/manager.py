@@ -39,6 +39,7 @@ from typing import Any
 from ember.core.request import Request, RequestStatus
 from ember.core.scheduler_output import GrammarBitmask, SchedulerOutput
 from ember.structured_output.compiler import (
+    Advances,
     GrammarCompiler,
     advance_grammars,
     fill_grammar_rows,
@@ -93,8 +94,10 @@ class StructuredOutputManager:
         self.in_use = False  # some request had structured outputs (else steps skip the bitmask)
         self._gate: ReasoningGate | None = None  # built with the first grammar, if configured
         self._gate_tokenizer: Any = None
-        # perf_counter at the start and end of the last fill's backend calls (step timing).
+        # perf_counter at the start and end of the last fill's backend calls, and with the
+        # grammar process its other phases in seconds (step timing).
         self.last_fill = (0.0, 0.0)
+        self.last_fill_phases: dict[str, float] = {}
         self._switch_interval = ShortSwitchInterval(FILL_SWITCH_INTERVAL_S)  # see fill_async
         # Deferred accepts (set by the engine core under deferred sampling, and always with a
         # grammar process): accept() only records a token, and the next fill advances the
@@ -362,12 +365,13 @@ class StructuredOutputManager:
 
     def _rows(self, requests: list[Request]) -> tuple:
         """(the requests with a bitmask row, each backend's grammars and rows, the rows whose
-        first token may open a reasoning block, and with deferred accepts the rows whose
-        grammar has tokens to take first: (row, request, tokens))."""
+        first token may open a reasoning block, and with deferred accepts the tokens the
+        grammars are to take first with their rows' requests: (Advances, {row: request}))."""
         constrained: list[Request] = []
         by_backend: dict[str, tuple[list, list[int]]] = {}
         undecided = []
-        advances: list[tuple[int, Request, list[int]]] = []
+        advances = Advances()  # deferred accepts
+        advanced: dict[int, Request] = {}  # their rows' requests
         for request in requests:
             so = request.structured_output
             if (request.status >= RequestStatus.FINISHED_STOPPED or so.state == REASONING
@@ -377,7 +381,8 @@ class StructuredOutputManager:
             grammar = so.grammar
             behind = len(outputs) - so.start - so.num_accepted
             if behind > 0 and self.defer_accepts:  # advanced by the fill (_advance)
-                advances.append((len(constrained), request, outputs[-behind:]))
+                advances.add(len(constrained), so.backend, grammar, outputs[-behind:])
+                advanced[len(constrained)] = request
                 so.num_accepted += behind
             elif behind > 0:  # replay what it has not seen
                 for token in outputs[-behind:]:
@@ -395,16 +400,13 @@ class StructuredOutputManager:
                 entry = by_backend[so.backend] = ([], [])
             entry[0].append(grammar)
             entry[1].append(row)
-        return constrained, by_backend, undecided, advances
+        return constrained, by_backend, undecided, (advances, advanced)
 
-    def _advance(self, advances: list[tuple[int, Request, list[int]]]) -> set[int]:
+    def _advance(self, advances: tuple[Advances, dict[int, Request]]) -> set[int]:
         """Deferred accepts: each row's grammar takes its tokens; returns the rows whose grammar
         then ends the request (complete, or refusing a token: recorded for take_finished)."""
-        requests = {row: request for row, request, _ in advances}
-        outcomes = advance_grammars(self._compiler.backends, [
-            (row, request.structured_output.backend, request.structured_output.grammar, tokens)
-            for row, request, tokens in advances])
-        return self._record_endings(outcomes, requests)
+        grouped, requests = advances
+        return self._record_endings(advance_grammars(self._compiler.backends, grouped), requests)
 
     def _record_endings(self, outcomes: list[tuple[int, bool]],
                         requests: dict[int, Request]) -> set[int]:
@@ -432,7 +434,7 @@ class StructuredOutputManager:
         constrained, by_backend, undecided, advances = rows
         # Deferred accepts first (their rows left unmasked if the request ends: its sample is
         # dropped).
-        ended = self._advance(advances) if advances else ()
+        ended = self._advance(advances) if advances[0] else ()
         # Made here, on fill_async's helper thread (numpy fills it without the GIL). numpy, not
         # torch.full: a torch op on the host wakes its thread pool, whose spinning threads then
         # compete with the grammar backends' fill threads (4x slower on an H200 host with 16
@@ -469,12 +471,9 @@ class StructuredOutputManager:
         constrained, by_backend, undecided, advances = rows
         process = self._process
         assert slot is not None and process is not None
-        seq, bitmask = process.fill(
-            [(row, r.structured_output.backend, r.structured_output.grammar, tokens)
-             for row, r, tokens in advances],
-            by_backend, slot, self._bitmask_shape(constrained))
-        return PendingProcessFill(self, seq, constrained, undecided, bitmask,
-                                  {row: request for row, request, _ in advances})
+        grouped, advanced = advances
+        seq, bitmask = process.fill(grouped, by_backend, slot, self._bitmask_shape(constrained))
+        return PendingProcessFill(self, seq, constrained, undecided, bitmask, advanced)
 
     def shutdown(self) -> None:
         if self._process is not None:
@@ -504,9 +503,10 @@ class PendingProcessFill:
     def result(self) -> GrammarBitmask:
         if self._result is None:
             manager = self._manager
-            outcomes, start, end = manager._process.reply(self._seq)
+            outcomes, start, end, phases = manager._process.reply(self._seq)
             manager._record_endings(outcomes, self._advanced)
             manager.last_fill = (start, end)
+            manager.last_fill_phases = phases
             self._result = manager._finish_bitmask(self._constrained, self._undecided,
                                                    self._bitmask)
         return self._result

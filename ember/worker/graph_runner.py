@@ -152,11 +152,16 @@ class GraphRunner:
 
     def run(self, batch: FlatBatch, input_ids: torch.Tensor) -> torch.Tensor:
         """Replay the graph for this pure-decode batch; input_ids are already on the device."""
+        self.stage_inputs(batch)
+        return self.replay(batch, input_ids)
+
+    def stage_inputs(self, batch: FlatBatch) -> None:
+        """Queue the copies of the batch's inputs other than its token ids into the graph's
+        buffers (behind the step in flight, which read them)."""
         n = len(batch.req_ids)
         bs = next(s for s in self.sizes if s >= n)
         stage = self.runner.stager.to_device
         width = batch.block_table.shape[1]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(stage("positions", batch.positions, torch.int64), non_blocking=True)
         self.slot_mapping[:n].copy_(stage("slot_mapping", batch.slot_mapping, torch.int64),
                                     non_blocking=True)
@@ -166,6 +171,12 @@ class GraphRunner:
         if bs > n:  # padding rows: no KV write, no keys to read
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(0)
+
+    def replay(self, batch: FlatBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replay the graph (stage_inputs first) on input_ids, already on the device."""
+        n = len(batch.req_ids)
+        bs = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
         if self.calls_replay_hook:
             seq_lens = batch.seq_lens.tolist() + [0] * (bs - n)
             self.runner.attn_backend.prepare_for_replay(

@@ -35,6 +35,19 @@ class InFlightStep:
         # (rows, logits, previous step) of a step whose sampling waits for its grammar bitmask
         # (ModelRunner.finish_sampling); None once sampled.
         self.deferred_sampling: tuple | None = None
+        self.reserved = False  # the placeholders are in the request states (reserve)
+
+    def reserve(self, states: list[CachedRequestState]) -> None:
+        """Leave a placeholder in each sampling request's outputs now, before the step is
+        sampled (deferred sampling: the next step's inputs are built before this step's
+        tokens are sampled, and read them on the device)."""
+        rows = self._rows
+        for row, state in enumerate(states):
+            output = state.output_token_ids
+            output.append(PLACEHOLDER)
+            state.pending = (self, row)
+            rows.append((state, len(output) - 1))
+        self.reserved = True
 
     def attach_samples(
         self,
@@ -42,7 +55,8 @@ class InFlightStep:
         sampled: torch.Tensor,
         logprobs: LogprobsTensors | None,
     ) -> None:
-        """Start the copies home and leave a placeholder in each sampling request's outputs."""
+        """Start the copies home and leave a placeholder in each sampling request's outputs
+        (unless `reserve` did)."""
         self.sampled = sampled
         to_host = self.platform.copy_to_host
         self._host_sampled = to_host(sampled)
@@ -52,12 +66,8 @@ class InFlightStep:
                                      logprobs.selected_token_ranks)
             )
         self._ready = self.platform.record_event()
-        rows = self._rows
-        for row, state in enumerate(states):
-            output = state.output_token_ids
-            output.append(PLACEHOLDER)
-            state.pending = (self, row)
-            rows.append((state, len(output) - 1))
+        if not self.reserved:
+            self.reserve(states)
 
     def resolve(self) -> ModelRunnerOutput:
         if self._resolved:

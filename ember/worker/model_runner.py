@@ -6,6 +6,7 @@ KV cache size, graphs) and calls its set-up methods once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -276,24 +277,35 @@ class ModelRunner:
         return self.attn_backend.build_metadata(metadata)
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> InFlightStep:
+    def launch(self, out: SchedulerOutput,
+               before_device: Callable[[], None] | None = None) -> InFlightStep:
         """Build, launch and sample one step without waiting for the device. Tokens sampled by
-        the step still in flight (async scheduling) are read from its device tensor."""
+        the step still in flight (async scheduling) are read from its device tensor.
+        ``before_device`` is called once the step's host inputs are built and queued, before
+        its first device work that reads the step in flight: the engine core launches that
+        step's deferred sampling there, so its bitmask has had the host work as time to come."""
         from ember.layers.attention import ForwardContext
 
         previous, self.in_flight = self.in_flight, None
         self._update_states(out)
         step = InFlightStep(self.platform)
         if out.is_empty:
+            if before_device is not None:
+                before_device()
             return step
         batch = build_flat_batch(self.states, out.num_scheduled_tokens, self.block_size,
                                  self.tables)
         self.stager.begin()
         input_ids = self._stage("input_ids", batch.input_ids, torch.int64)
+        graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
+        if graph:
+            self.graph_runner.stage_inputs(batch)  # type: ignore[union-attr]
+        if before_device is not None:
+            before_device()
         if len(batch.placeholder_positions):
             self._fill_placeholders(input_ids, batch, previous)
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            hidden = self.graph_runner.run(batch, input_ids)
+        if graph:
+            hidden = self.graph_runner.replay(batch, input_ids)  # type: ignore[union-attr]
         else:
             positions = self._stage("positions", batch.positions, torch.int64)
             ctx = ForwardContext(attn_metadata=self._metadata(batch), kv_caches=self.kv_caches)
@@ -303,6 +315,9 @@ class ModelRunner:
             rows, logits = self._sampling_logits(batch, hidden)
             if out.grammar_deferred:  # sampled by finish_sampling, once the bitmask is known
                 step.deferred_sampling = (rows, logits, previous)
+                # The next step is built before that (ModelRunner.launch's before_device) and
+                # takes these tokens as inputs: their places are taken now.
+                step.reserve(rows)
             else:
                 self._sample(rows, logits, step, previous, out.grammar_bitmask)
         self.stager.end()
@@ -347,8 +362,12 @@ class ModelRunner:
         from ember.layers.sampling_metadata import build_sampling_metadata
 
         processors = self.logits_processors
+        # A reserved step's own placeholders are in its rows' outputs already (InFlightStep.
+        # reserve): the sampling sees the outputs before them.
+        own = 1 if step.reserved else 0
         if not self.special_sampling_reqs or all(
-            _plain_greedy(s.sampling_params, len(s.output_token_ids), processors) for s in rows
+            _plain_greedy(s.sampling_params, len(s.output_token_ids) - own, processors)
+            for s in rows
         ):
             # Nothing to build: no penalties or logprobs, just the argmax (of the masked logits
             # under a grammar: the sampler would mask them alike, in place, then take it; on a
@@ -369,7 +388,8 @@ class ModelRunner:
         if previous is not None and any(
             s.pending is not None and (
                 _uses_penalties(s.sampling_params)
-                or processors.needs_output_tokens(s.sampling_params, len(s.output_token_ids)))
+                or processors.needs_output_tokens(s.sampling_params,
+                                                  len(s.output_token_ids) - own))
             for s in rows
         ):
             # Penalties and some processors (bad_words) read earlier tokens on the host: wait for
@@ -377,7 +397,7 @@ class ModelRunner:
             previous.resolve()
         metadata = build_sampling_metadata(
             [s.sampling_params for s in rows],
-            [s.output_token_ids for s in rows],
+            [s.output_token_ids[:-1] if own else s.output_token_ids for s in rows],
             [s.prompt_token_ids for s in rows],
             {i: s.generator for i, s in enumerate(rows) if s.generator is not None},
             logits.shape[-1],

@@ -16,6 +16,7 @@ the hidden states and residual, one that is not the last sends them on). What th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,11 +39,12 @@ class ParallelModelRunner(ModelRunner):
     stage_overlaps = 0
     _last_broadcast = None
 
-    def launch(self, out: SchedulerOutput) -> InFlightStep:
+    def launch(self, out: SchedulerOutput,
+               before_device: Callable[[], None] | None = None) -> InFlightStep:
         last = self._last_broadcast
         if last is not None and not last.is_completed():
             self.stage_overlaps += 1
-        return super().launch(out)
+        return super().launch(out, before_device)
 
     def overlap_count(self) -> int:
         """stage_overlaps (a collective_rpc method)."""
