@@ -122,7 +122,7 @@ def run(ns: argparse.Namespace) -> dict:
         run_outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         assert [len(o.outputs[0].token_ids) for o in run_outs] == counts
-        return seconds, _timing(timer), run_outs
+        return seconds, _timing(timer, seconds), run_outs
 
     # The two variants alternate, so a machine whose speed drifts between them (the H200 host's
     # unconstrained runs have differed 1.7x from one invocation to the next) shows in the spread
@@ -188,10 +188,17 @@ def _reset_timer(llm):
     return timer
 
 
-def _timing(timer) -> dict | None:
+def _timing(timer, seconds: float) -> dict | None:
     if timer is None or not timer.enabled:
         return None
-    return {"num_steps": timer.steps, **{k: round(v, 3) for k, v in timer.summary().items()}}
+    phases = timer.summary()
+    # The round's time the steps do not hold: adding its requests (front end and engine core),
+    # and what follows the last step (a round's fixed costs, spread over its steps).
+    steps = max(timer.steps, 1)
+    outside = 1000 * seconds / steps - sum(v for k, v in phases.items()
+                                           if not k.startswith(("helper", "process")))
+    return {"num_steps": timer.steps, **{k: round(v, 3) for k, v in phases.items()},
+            "outside the steps": round(outside, 3)}
 
 
 def is_json(text: str) -> bool:

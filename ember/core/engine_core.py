@@ -230,6 +230,7 @@ class EngineCore(EngineCoreControl):
                 self._end_finished_grammars()
             if plan.is_empty and self._in_flight is None and scheduler.compiling:
                 structured.wait(0.01)  # only grammars being built: don't spin
+            timer.mark("no launch")
             return self._report_ended(folded or EngineCoreOutputs(timestamp=time.time()))
         result = launched[1].resolve()  # the step's one device-to-host sync
         timer.mark("wait")
