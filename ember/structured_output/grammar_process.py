@@ -127,6 +127,8 @@ class GrammarProcess:
         self._replies: dict[int, tuple] = {}
         self._next_seq = 0
         self._sent_at: dict[int, float] = {}
+        self._adds: list[tuple] = []  # grammars to build, not yet sent
+        self._received = 0.0  # perf_counter when the last message was read
         # Keys whose handle was collected (appended by finalizers, on any thread).
         self._free: collections.deque[int] = collections.deque()
         self._buffers: list[SharedHostBuffer | None] = [None] * buffers
@@ -146,8 +148,16 @@ class GrammarProcess:
             weakref.finalize(handle, self._free.append, key)  # the deque is never replaced
             future: Future = Future()
             self._builds[key] = (future, handle)
-            self._send(("add", self._take_free(), key, backend, spec, stop_ids))
+            # Sent with the next pump, fill or reply: the requests of a batch (LLM.generate
+            # adds them all before the first step) go in one message.
+            self._adds.append((key, backend, spec, stop_ids))
         return future
+
+    def _flush_adds(self) -> None:
+        if self._adds:
+            with self._send_lock:
+                adds, self._adds = self._adds, []
+                self._send(("add", self._take_free(), adds))
 
     def _take_free(self) -> list[int]:
         free = []
@@ -184,6 +194,7 @@ class GrammarProcess:
         replays = [(row, name, g.key, tokens) for row, name, g, tokens in advances.replays]
         fills = {name: (keys(grammars), np.array(rows, np.int32))
                  for name, (grammars, rows) in by_backend.items()}
+        self._flush_adds()
         with self._send_lock:
             seq, self._next_seq = self._next_seq, self._next_seq + 1
             if path is not None:
@@ -196,6 +207,7 @@ class GrammarProcess:
     # ---- answers -----------------------------------------------------------------------
     def pump(self, timeout: float = 0.0) -> None:
         """Take what the process has sent (waiting up to `timeout` for the first message)."""
+        self._flush_adds()
         conn = self._conn
         while conn.poll(timeout):
             self._dispatch(self._recv())
@@ -205,6 +217,7 @@ class GrammarProcess:
         """The answer to fill `seq`: (the rows that end, as (row, accepted); the fill's start
         and end (perf_counter, shared by the two processes); seconds by phase, for step
         timing); waits for it."""
+        self._flush_adds()
         while seq not in self._replies:
             self._dispatch(self._recv())
         return self._replies.pop(seq)
@@ -217,7 +230,9 @@ class GrammarProcess:
 
     def _recv(self) -> tuple:
         try:
-            return self._conn.recv()
+            message = self._conn.recv()
+            self._received = time.perf_counter()
+            return message
         except (EOFError, OSError) as exc:
             raise self._exited() from exc
 
@@ -239,7 +254,7 @@ class GrammarProcess:
             else:
                 future.set_exception(GrammarBuildError(error))
         elif kind == "filled":
-            _, seq, outcomes, (received, advanced, start, end), self.live_grammars = message
+            _, seq, outcomes, (received, advanced, start, end, sent), self.live_grammars = message
             buffer = self._unlink_after.pop(seq, None)
             if buffer is not None:
                 buffer.unlink()
@@ -247,7 +262,8 @@ class GrammarProcess:
             self._replies[seq] = (outcomes, start, end, {
                 "process: message in flight": received - sent,
                 "process: accepts": advanced - received,
-                "process: reply in flight": time.perf_counter() - end})
+                "process: reply sent after the fill": sent - end,
+                "process: reply in flight": self._received - sent})
         elif kind == "failed":
             raise RuntimeError(f"the grammar process failed a step: {message[2]}")
 
@@ -321,10 +337,10 @@ class _GrammarServer:
                     return
                 self._free(message[1])
                 if kind == "add":
-                    _, _, key, backend, spec, stop_ids = message
                     with self.lock:
-                        self.building.add(key)
-                    self.pool.submit(self._build, key, backend, spec, stop_ids)
+                        self.building.update(key for key, *_ in message[2])
+                    for key, backend, spec, stop_ids in message[2]:
+                        self.pool.submit(self._build, key, backend, spec, stop_ids)
                 elif kind == "fill":
                     self._fill(*message[2:])
         finally:
@@ -383,8 +399,10 @@ class _GrammarServer:
                 name: ([grammars[k] for k in keys.tolist()], rows.tolist())
                 for name, (keys, rows) in fills.items()},
                 bitmask, {row for row, _ in outcomes})
-            times = (self.received, advanced, start, time.perf_counter())
-            self._send(("filled", seq, outcomes, times, len(grammars)))
+            end = time.perf_counter()
+            with self.lock:
+                times = (self.received, advanced, start, end, time.perf_counter())
+                self.conn.send(("filled", seq, outcomes, times, len(grammars)))
         except Exception as exc:
             logger.exception("grammar step failed")
             self._send(("failed", seq, f"{type(exc).__name__}: {exc}"))
