@@ -150,3 +150,34 @@ def test_on_a_gpu_the_process_is_the_default_and_fills_page_locked_memory(monkey
     llm.shutdown()
     monkeypatch.setenv("EMBER_GRAMMAR_PROCESS", "0")
     assert _token_ids(LLM(model, max_model_len=256, device="cuda")) == tokens
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_built_in_backends_fill_whole_rows(backend):
+    """The built-in backends declare fills_whole_rows (the bitmask is not cleared before a
+    fill): a row that held garbage comes out as one that held all ones."""
+    import torch
+
+    from ember.default_model import default_model_path
+    from ember.structured_output.compiler import GrammarCompiler, fill_grammar_rows
+    from ember.structured_output.config import StructuredOutputsConfig
+    from ember.structured_output.interface import GrammarSpec
+    from ember.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    compiler = GrammarCompiler(StructuredOutputsConfig(backend=backend), lambda: tokenizer, 0)
+    spec = GrammarSpec.of(StructuredOutputsParams(json=SCHEMA))
+    grammars = [compiler.build(backend, spec, [tokenizer.eos_token_id]) for _ in range(2)]
+    assert compiler.backends[backend].fills_whole_rows
+    for token in tokenizer.encode('{"name": "ab', add_special_tokens=False):
+        assert grammars[1].accept_token(token)
+    words = (compiler.vocab_size + 31) // 32
+    garbage = torch.full((3, words), 0x55555555, dtype=torch.int32)
+    ones = torch.full((3, words), -1, dtype=torch.int32)
+    for bitmask in (garbage, ones):
+        for grammar, row in zip(grammars, (0, 2)):
+            grammar.fill_bitmask(bitmask, row)
+    assert torch.equal(garbage[[0, 2]], ones[[0, 2]])
+    # fill_grammar_rows: rows no backend writes (1 here) come out all ones.
+    fill_grammar_rows(compiler.backends, {backend: (grammars, [0, 2])}, garbage)
+    assert torch.equal(garbage, ones)

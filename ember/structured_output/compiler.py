@@ -135,12 +135,26 @@ def advance_grammars(backends: dict[str, StructuredOutputBackend],
 def fill_grammar_rows(backends: dict[str, StructuredOutputBackend],
                       by_backend: dict[str, tuple[list[Grammar], list[int]]],
                       bitmask: Any, skip: set[int] | tuple = ()) -> None:
-    """Fill each backend's rows of ``bitmask`` (an int32 [rows, words] host tensor, all ones
-    where a row is left out) from their grammars, one call per backend, leaving out ``skip``."""
+    """Fill each backend's rows of ``bitmask`` (an int32 [rows, words] host tensor, its
+    contents undefined) from their grammars, one call per backend, leaving out ``skip``; every
+    row no backend wrote whole is all ones (allows every token). Clearing only those rows
+    matters: a 256-row bitmask of a 150k vocabulary is 4.9 MB to write."""
+    import numpy as np
+
+    array = bitmask.numpy()
+    written = np.zeros(len(array), dtype=bool)
     for name, (grammars, row_ids) in by_backend.items():
         if skip:
             kept = [(g, r) for g, r in zip(grammars, row_ids) if r not in skip]
             if not kept:
                 continue
             grammars, row_ids = [g for g, _ in kept], [r for _, r in kept]
-        backends[name].fill_bitmasks(grammars, bitmask, row_ids)
+        backend = backends[name]
+        if backend.fills_whole_rows:
+            written[row_ids] = True
+        else:
+            array[row_ids] = -1
+            written[row_ids] = True
+        backend.fill_bitmasks(grammars, bitmask, row_ids)
+    if not written.all():
+        array[~written] = -1

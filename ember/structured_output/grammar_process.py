@@ -44,6 +44,9 @@ from ember.structured_output.interface import GrammarSpec
 logger = logging.getLogger("ember")
 
 STOP_TIMEOUT_SECONDS = 5.0
+# Grammars to build go in messages of this many (or fewer, at the next pump), so the process
+# starts building while a large batch is still being added.
+ADD_BATCH = 16
 
 
 class GrammarBuildError(Exception):
@@ -148,9 +151,10 @@ class GrammarProcess:
             weakref.finalize(handle, self._free.append, key)  # the deque is never replaced
             future: Future = Future()
             self._builds[key] = (future, handle)
-            # Sent with the next pump, fill or reply: the requests of a batch (LLM.generate
-            # adds them all before the first step) go in one message.
+            # Sent in groups (ADD_BATCH), the rest with the next pump, fill or reply.
             self._adds.append((key, backend, spec, stop_ids))
+        if len(self._adds) >= ADD_BATCH:
+            self._flush_adds()
         return future
 
     def _flush_adds(self) -> None:
@@ -254,7 +258,8 @@ class GrammarProcess:
             else:
                 future.set_exception(GrammarBuildError(error))
         elif kind == "filled":
-            _, seq, outcomes, (received, advanced, start, end, sent), self.live_grammars = message
+            _, seq, outcomes, times, self.live_grammars = message
+            received, advanced, start, end, replied = times
             buffer = self._unlink_after.pop(seq, None)
             if buffer is not None:
                 buffer.unlink()
@@ -262,8 +267,9 @@ class GrammarProcess:
             self._replies[seq] = (outcomes, start, end, {
                 "process: message in flight": received - sent,
                 "process: accepts": advanced - received,
-                "process: reply sent after the fill": sent - end,
-                "process: reply in flight": self._received - sent})
+                "process: from accepts to fill": start - advanced,
+                "process: reply sent after the fill": replied - end,
+                "process: reply in flight": self._received - replied})
         elif kind == "failed":
             raise RuntimeError(f"the grammar process failed a step: {message[2]}")
 
@@ -393,7 +399,6 @@ class _GrammarServer:
             outcomes = advance_grammars(self.compiler.backends, advances)
             advanced = time.perf_counter()
             bitmask = self.buffers[slot][:shape[0] * shape[1]].view(shape)
-            bitmask.numpy().fill(-1)
             start = time.perf_counter()
             fill_grammar_rows(self.compiler.backends, {
                 name: ([grammars[k] for k in keys.tolist()], rows.tolist())

@@ -88,6 +88,7 @@ class GuidanceGrammar(Grammar):
 
 class GuidanceBackend(StructuredOutputBackend):
     name = "guidance"
+    fills_whole_rows = True  # its native fill writes the whole row
 
     @classmethod
     def validate(cls, spec: GrammarSpec) -> None:

@@ -105,7 +105,8 @@ class Grammar(ABC):
 
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row `row` of an int32 [rows, words] CPU tensor."""
+        """Write the allowed next tokens into row `row` of an int32 [rows, words] CPU tensor
+        (all ones when called, unless the backend declares `fills_whole_rows`)."""
 
     @abstractmethod
     def is_terminated(self) -> bool:
@@ -121,6 +122,9 @@ class StructuredOutputBackend(ABC):
     """A grammar engine. Class attribute `name` is its registry name (set at registration)."""
 
     name: ClassVar[str] = ""
+    # True when fill_bitmasks writes every word of each row it fills: the engine then leaves
+    # the rows as they are before the call instead of setting them to all ones first.
+    fills_whole_rows: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

@@ -441,15 +441,14 @@ class StructuredOutputManager:
         # cores).
         shape = self._bitmask_shape(constrained)
         if slot is None:
-            bitmask = torch.from_numpy(np.full(shape, -1, dtype=np.int32))
+            bitmask = torch.from_numpy(np.empty(shape, dtype=np.int32))
         else:
             buffer = self._host_buffers[slot]
             numel = shape[0] * shape[1]
             if buffer is None or buffer.numel() < numel:
                 buffer = self._host_buffers[slot] = self._allocate_host(  # type: ignore[misc]
                     max(numel, 2 * (0 if buffer is None else buffer.numel())))
-            bitmask = buffer[:numel].view(shape)
-            bitmask.numpy().fill(-1)
+            bitmask = buffer[:numel].view(shape)  # fill_grammar_rows sets every row
         start = time.perf_counter()
         fill_grammar_rows(self._compiler.backends, by_backend, bitmask, ended)
         self.last_fill = (start, time.perf_counter())

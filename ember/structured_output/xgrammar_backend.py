@@ -131,6 +131,7 @@ class XgrammarGrammar(Grammar):
 
 class XgrammarBackend(StructuredOutputBackend):
     name = "xgrammar"
+    fills_whole_rows = True  # its native fill writes the whole row
 
     @classmethod
     def validate(cls, spec: GrammarSpec) -> None:
