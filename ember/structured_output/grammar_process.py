@@ -103,7 +103,8 @@ class GrammarProcess:
 
     def __init__(self, config: StructuredOutputsConfig, load_tokenizer: Callable[[], Any],
                  vocab_size: int, eos_width: int, buffers: int,
-                 pin: Callable[[Any], Callable[[], None] | None] | None = None) -> None:
+                 pin: Callable[[Any], Callable[[], None] | None] | None = None,
+                 spin_seconds: float = 0.0) -> None:
         from multiprocessing.connection import Connection
 
         from ember.registry import snapshot
@@ -121,7 +122,11 @@ class GrammarProcess:
             theirs.close()
         self._conn = Connection(ours.detach())
         level = logging.getLevelName(logger.getEffectiveLevel())
-        self._conn.send((snapshot(), config, load_tokenizer, vocab_size, eos_width, level))
+        self._conn.send((snapshot(), config, load_tokenizer, vocab_size, eos_width, level,
+                         spin_seconds))
+        # Waiting for a message, each side polls the pipe for up to this long before it
+        # blocks: on a GPU host a thread blocked in read took 0.2-0.8 ms to wake for one.
+        self._spin_seconds = spin_seconds
         atexit.register(self.close)
         self._pin = pin
         self._send_lock = threading.Lock()
@@ -222,9 +227,19 @@ class GrammarProcess:
         and end (perf_counter, shared by the two processes); seconds by phase, for step
         timing); waits for it."""
         self._flush_adds()
+        self._spin(lambda: seq in self._replies)
         while seq not in self._replies:
             self._dispatch(self._recv())
         return self._replies.pop(seq)
+
+    def _spin(self, done: Callable[[], bool]) -> None:
+        """Poll for messages until `done()` or the spin time is over."""
+        if self._spin_seconds <= 0:
+            return
+        conn, deadline = self._conn, time.perf_counter() + self._spin_seconds
+        while not done() and time.perf_counter() < deadline:
+            if conn.poll(0):
+                self._dispatch(self._recv())
 
     def _send(self, message: tuple) -> None:
         try:
@@ -304,22 +319,27 @@ def run_grammar_process(fd: int) -> None:
 
     conn = Connection(fd)
     try:
-        registry_snapshot, config, load_tokenizer, vocab_size, eos_width, level = conn.recv()
+        (registry_snapshot, config, load_tokenizer, vocab_size, eos_width, level,
+         spin_seconds) = conn.recv()
     except (EOFError, OSError):
         return
     logging.basicConfig(level=level, format="%(levelname)s ember-grammar: %(message)s")
     from ember.registry import restore
 
     restore(registry_snapshot)
-    _GrammarServer(conn, config, load_tokenizer, vocab_size, eos_width).serve()
+    if spin_seconds > 0:  # the polling main thread hands the GIL to the build pool often
+        sys.setswitchinterval(0.0002)
+    _GrammarServer(conn, config, load_tokenizer, vocab_size, eos_width, spin_seconds).serve()
 
 
 class _GrammarServer:
     def __init__(self, conn: Any, config: StructuredOutputsConfig,
-                 load_tokenizer: Callable[[], Any], vocab_size: int, eos_width: int) -> None:
+                 load_tokenizer: Callable[[], Any], vocab_size: int, eos_width: int,
+                 spin_seconds: float = 0.0) -> None:
         from ember.structured_output.compiler import GrammarCompiler
 
         self.conn = conn
+        self.spin_seconds = spin_seconds  # polling before blocking, after each message
         self.compiler = GrammarCompiler(config, load_tokenizer, vocab_size, eos_width)
         self.grammars: dict[int, Any] = {}
         self.building: set[int] = set()
@@ -333,6 +353,10 @@ class _GrammarServer:
     def serve(self) -> None:
         try:
             while True:
+                if self.spin_seconds > 0:  # the next step's message comes within a few ms
+                    deadline = time.perf_counter() + self.spin_seconds
+                    while not self.conn.poll(0) and time.perf_counter() < deadline:
+                        pass
                 try:
                     message = self.conn.recv()
                 except (EOFError, OSError):
