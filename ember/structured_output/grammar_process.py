@@ -315,8 +315,12 @@ class GrammarProcess:
 def run_grammar_process(fd: int) -> None:
     """The grammar process's loop: its setup is the first message; builds run on a pool,
     steps on this thread, until "stop" or the engine's end of the pipe closes."""
+    import signal
     from multiprocessing.connection import Connection
 
+    # Ctrl-C reaches the whole process group: the engine handles it, and this process ends
+    # when the engine's end of the pipe closes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     try:
         (registry_snapshot, config, load_tokenizer, vocab_size, eos_width, level,
