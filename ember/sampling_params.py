@@ -41,8 +41,20 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
-    # Set by the front end's validation: the grammar backend that compiles this request.
+    # Set by the front end's validation: the grammar backend that compiles this request, and
+    # the constraint in canonical form (ember.structured_output.interface.GrammarSpec).
     _backend: str | None = field(default=None, repr=False)
+    _spec: Any = field(default=None, repr=False, compare=False)
+
+    def __deepcopy__(self, memo: dict) -> StructuredOutputsParams:
+        """A copy whose constraint values (the schema, the choices) are shared: ember never
+        changes them, and a request's SamplingParams is copied for each request it makes
+        (deep-copying a real-world schema took ~0.1 ms a request, 256 of them ~30 ms)."""
+        import copy
+
+        clone = copy.copy(self)
+        memo[id(self)] = clone
+        return clone
 
     def __post_init__(self) -> None:
         json_value = self.json
@@ -249,9 +261,20 @@ class SamplingParams:
         return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
 
     def clone(self) -> SamplingParams:
+        """A copy that shares nothing mutable with this one (a request's params are cloned
+        for each request it makes). Immutable values are shared as they are: deep-copying
+        every field took most of adding a request."""
         import copy
 
-        return copy.deepcopy(self)
+        clone = copy.copy(self)
+        memo: dict = {}
+        for name, value in vars(self).items():
+            if not isinstance(value, _IMMUTABLE):
+                setattr(clone, name, copy.deepcopy(value, memo))
+        return clone
+
+
+_IMMUTABLE = (type(None), bool, int, float, str, bytes, IntEnum)
 
 
 def _token_id(value: Any) -> int | None:

@@ -183,3 +183,22 @@ def test_built_in_backends_fill_whole_rows(backend):
     # fill_grammar_rows: rows no backend writes (1 here) come out all ones.
     fill_grammar_rows(compiler.backends, {backend: (grammars, [0, 2])}, garbage)
     assert torch.equal(garbage, ones)
+
+
+def test_cloned_params_share_only_what_never_changes():
+    """SamplingParams.clone (once per request made) copies what can change and shares the rest:
+    the structured-output constraint's values are shared, its per-request fields are not."""
+    from ember.structured_output.interface import GrammarSpec
+
+    params = SamplingParams(stop=["x"], logit_bias={1: 2.0}, extra_args={"a": [1]},
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    params.all_stop_token_ids = {3}
+    clone = params.clone()
+    assert clone == params
+    assert clone.stop is not params.stop and clone.logit_bias is not params.logit_bias
+    assert clone.extra_args["a"] is not params.extra_args["a"]
+    assert clone.all_stop_token_ids is not params.all_stop_token_ids
+    so, cloned_so = params.structured_outputs, clone.structured_outputs
+    assert cloned_so is not so and cloned_so.json is so.json
+    cloned_so._backend, cloned_so._spec = "guidance", GrammarSpec.of(cloned_so)
+    assert so._backend is None and so._spec is None

@@ -171,7 +171,9 @@ class StructuredOutputManager:
     def add(self, request: Request) -> None:
         """Start building `request`'s grammar (its params were validated by the front end)."""
         params = request.sampling_params.structured_outputs
-        spec = GrammarSpec.of(params, self.config)
+        spec = params._spec  # the front end's (not across a process boundary: msgspec's dict)
+        if not isinstance(spec, GrammarSpec):
+            spec = GrammarSpec.of(params, self.config)
         backend = params._backend or select_backend(spec, self.config.backend)
         so = StructuredOutputRequest(spec, backend)
         self.in_use = True

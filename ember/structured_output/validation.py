@@ -70,7 +70,7 @@ def validate_structured_outputs(params: SamplingParams, config: StructuredOutput
         raise ValueError("structured outputs need a tokenizer (skip_tokenizer_init=True was set)")
     config = config or StructuredOutputsConfig()
     try:
-        spec = GrammarSpec.of(so, config)
+        so._spec = spec = GrammarSpec.of(so, config)
         so._backend = select_backend(spec, config.backend)
     except ValueError as exc:
         raise ValueError(f"invalid structured_outputs ({so.kind}): {exc}") from None
