@@ -202,3 +202,14 @@ def test_cloned_params_share_only_what_never_changes():
     assert cloned_so is not so and cloned_so.json is so.json
     cloned_so._backend, cloned_so._spec = "guidance", GrammarSpec.of(cloned_so)
     assert so._backend is None and so._spec is None
+
+
+def test_add_requests_benchmark_runs(tmp_path):
+    """ember.bench.add_requests at a toy size."""
+    from ember.bench import add_requests
+
+    out = tmp_path / "add.json"
+    assert add_requests.main(["--requests", "8", "--rounds", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["us_per_request"]) == {"json_schema", "plain"}
+    assert all(0 < us < 1e6 for us in result["us_per_request"].values())

@@ -8,6 +8,10 @@ throughput|serve``) and, for the GPU kernels and engine internals, modules run a
     small_batch_linear  the small-batch linear kernel against cuBLAS per projection shape
     profile_steps       device time per kernel and host time per engine step
     server_limits       /health latency and memory while hostile clients attack the server
+    structured          throughput with a JSON schema on every request against none
+    grammar_host        the structured-output manager's host work per step, without a model
+    add_requests        adding a request, with a JSON schema and without
+    detokenize          the front end's detokenizer, per token
 
 Helpers: ``workloads`` (synthetic prompts), ``roofline`` (limits from ceilings), ``timing``
 (graph replay and do_bench timing), ``provenance``, ``hf_weights``.
