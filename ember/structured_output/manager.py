@@ -93,7 +93,6 @@ class StructuredOutputManager:
         self._done = threading.Condition()  # notified when a build finishes
         self.in_use = False  # some request had structured outputs (else steps skip the bitmask)
         self._gate: ReasoningGate | None = None  # built with the first grammar, if configured
-        self._gate_tokenizer: Any = None
         # perf_counter at the start and end of the last fill's backend calls, and with the
         # grammar process its other phases in seconds (step timing).
         self.last_fill = (0.0, 0.0)
