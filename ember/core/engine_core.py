@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -91,12 +92,13 @@ class EngineCore(EngineCoreControl):
             grammar_process = self._defer_grammar_sampling and not platform.device_is_host()
         if grammar_process:
             # Polling, not blocking, for the other side's messages (a few ms at most) where
-            # a device does the forward: the host has cores to spare and a blocked thread's
+            # a device does the forward and the host has cores to spare: a blocked thread's
             # wake-up took 0.2-0.8 ms on an H200 host. Not on a CPU, whose cores run the model.
             on_device = not platform.device_is_host()
+            spare_cores = (os.cpu_count() or 1) >= 8
             self.structured_output.use_process(
                 count=3, pin=platform.pin_host_memory if on_device else None,
-                spin_seconds=0.005 if on_device else 0.0)
+                spin_seconds=0.005 if on_device and spare_cores else 0.0)
         elif self._defer_grammar_sampling and not platform.device_is_host():
             # The runner is in this process: bitmasks are filled into page-locked buffers it
             # copies to the device as they are. One a step: the one being filled, the one the
