@@ -82,11 +82,16 @@ def test_grammar_waits_for_the_end_of_reasoning(think_model):
 
 
 @pytest.mark.slow
-def test_undecided_start_allows_opening_a_reasoning_block(think_model):
+@pytest.mark.parametrize("grammar_process", ["0", "1"])
+def test_undecided_start_allows_opening_a_reasoning_block(think_model, monkeypatch,
+                                                          grammar_process):
     """Without tags in the prompt (Qwen3's template with thinking on), the first token may open
-    a reasoning block or start the answer under the grammar."""
+    a reasoning block or start the answer under the grammar; with the grammars on the engine's
+    threads and in the grammar process (the gate stays in the engine)."""
     _, _, tags = think_model
+    monkeypatch.setenv("EMBER_GRAMMAR_PROCESS", grammar_process)
     gated = _llm(think_model, reasoning_parser="qwen3")
+    assert gated.llm_engine.engine_core.structured_output.uses_process == (grammar_process == "1")
     base = _ids(gated, "Question: what is it?")
     choice = StructuredOutputsParams(choice=["yes", "no"])
     # Biased toward <think>: it is allowed at the first token, then the output is free.
