@@ -86,7 +86,6 @@ class StructuredOutputManager:
         self._load_tokenizer = load_tokenizer
         self._eos_width = max(model_eos_token_ids, default=-1) + 1
         self._compiler = GrammarCompiler(config, load_tokenizer, vocab_size, self._eos_width)
-        self._model_vocab_size = vocab_size
         self._gate_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._fill_thread: ThreadPoolExecutor | None = None  # fill_async's
@@ -162,7 +161,7 @@ class StructuredOutputManager:
 
         if self._process is None:
             self._process = GrammarProcess(self.config, self._load_tokenizer,
-                                           self._model_vocab_size, self._eos_width,
+                                           self._compiler.vocab_size, self._eos_width,
                                            **self._process_args)  # type: ignore[arg-type]
         return self._process
 
