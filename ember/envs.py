@@ -113,6 +113,12 @@ def grammar_deferred_accepts() -> bool:
     return _flag("EMBER_GRAMMAR_DEFERRED_ACCEPTS")
 
 
+def gc_freeze() -> bool:
+    """EMBER_GC_FREEZE=0: keep start-up's objects in the garbage collector's full walks
+    (ember.gc_heap; on by default)."""
+    return _str("EMBER_GC_FREEZE", "1") != "0"
+
+
 def cache_dir() -> str | None:
     """EMBER_CACHE_DIR: where ember keeps what it derives from a model file to load it faster
     the next time (a GGUF file's converted tokenizer, and its model as the gguf method packed it

@@ -12,6 +12,7 @@ compile time of each schema on a cold backend (p50/p99).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -118,11 +119,12 @@ def run(ns: argparse.Namespace) -> dict:
 
     def timed(params: list) -> tuple[float, dict | None, list]:
         timer = _reset_timer(llm)
-        start = time.perf_counter()
-        run_outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        with _CollectorPauses() as pauses:
+            start = time.perf_counter()
+            run_outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
         assert [len(o.outputs[0].token_ids) for o in run_outs] == counts
-        return seconds, _timing(timer, seconds), run_outs
+        return seconds, _timing(timer, seconds, pauses), run_outs
 
     # The two variants alternate, so a machine whose speed drifts between them (the H200 host's
     # unconstrained runs have differed 1.7x from one invocation to the next) shows in the spread
@@ -134,6 +136,9 @@ def run(ns: argparse.Namespace) -> dict:
         plain_s, plain_timing, _ = timed(plain)
         rounds.append({"constrained_s": round(constrained_s, 4), "unconstrained_s":
                        round(plain_s, 4), "ratio": round(plain_s / constrained_s, 4)})
+        if constrained_timing is not None:  # what made a slow round slow
+            rounds[-1]["totals_ms"] = {"constrained": constrained_timing.pop("totals_ms"),
+                                       "unconstrained": plain_timing.pop("totals_ms")}
         if manager is not None:  # the grammars advanced on the helper thread, batched
             manager.defer_accepts = True
             try:
@@ -188,7 +193,29 @@ def _reset_timer(llm):
     return timer
 
 
-def _timing(timer, seconds: float) -> dict | None:
+class _CollectorPauses:
+    """The garbage collector's pauses in this process while inside: how many full
+    (generation 2) collections ran, and the milliseconds all collections took."""
+
+    def __enter__(self) -> _CollectorPauses:
+        self.full = 0
+        self.ms = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._record)
+
+    def _record(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.ms += 1000 * (time.perf_counter() - self._start)
+            self.full += info["generation"] == 2
+
+
+def _timing(timer, seconds: float, pauses: _CollectorPauses) -> dict | None:
     if timer is None or not timer.enabled:
         return None
     phases = timer.summary()
@@ -197,8 +224,12 @@ def _timing(timer, seconds: float) -> dict | None:
     steps = max(timer.steps, 1)
     outside = 1000 * seconds / steps - sum(v for k, v in phases.items()
                                            if not k.startswith(("helper", "process")))
+    # The round's totals, to compare rounds: steps, collector pauses, each phase.
+    totals = {"steps": timer.steps, "gc_full": pauses.full, "gc_ms": round(pauses.ms, 1),
+              **{k: round(1000 * v, 1) for k, v in timer.seconds.items()},
+              "outside the steps": round(outside * steps, 1)}
     return {"num_steps": timer.steps, **{k: round(v, 3) for k, v in phases.items()},
-            "outside the steps": round(outside, 3)}
+            "outside the steps": round(outside, 3), "totals_ms": totals}
 
 
 def is_json(text: str) -> bool:

@@ -29,6 +29,7 @@ from ember.core.messages import (
     encoder,
     utility_decoder,
 )
+from ember.gc_heap import freeze_process_heap
 
 logger = logging.getLogger("ember")
 
@@ -64,6 +65,7 @@ def run_engine_core(
         ready_pipe.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         ready_pipe.close()
         return
+    freeze_process_heap("engine core")
     ready_pipe.send(("ready", encoder.encode(core.ready)))
     ready_pipe.close()
     try:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ember.gc_heap import freeze_process_heap
 from ember.structured_output.config import StructuredOutputsConfig
 from ember.structured_output.interface import GrammarSpec
 
@@ -64,6 +65,7 @@ class _GrammarServer:
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="ember-grammar")
         self.buffers: dict[int, Any] = {}  # slot -> flat int32 tensor over the shared file
         self.received = 0.0  # perf_counter when the message in hand arrived
+        self.heap_frozen = False
 
     def serve(self) -> None:
         try:
@@ -108,6 +110,12 @@ class _GrammarServer:
             grammar = self.compiler.build(backend, spec, stop_ids)
         except Exception as exc:  # validated in the front end, so a backend's own failure
             grammar, error = None, f"{type(exc).__name__}: {exc}"
+        if not self.heap_frozen:
+            # The process's start-up heap (torch, transformers, the tokenizer, the backend's
+            # tables) is built with the first grammar: out of the collector's full walks from
+            # then on, or a full collection stalls a step's fill (ember.gc_heap).
+            self.heap_frozen = True
+            freeze_process_heap("grammar process")
         with self.lock:
             self.building.discard(key)
             if key in self.freed_while_building:

@@ -236,6 +236,7 @@ def run_server(ns: argparse.Namespace) -> int:
 
         return run_multi_server(ns, args)
     from ember.entrypoints.openai.http_server import limits_from, make_server
+    from ember.gc_heap import freeze_process_heap
 
     api_key = ns.api_key or envs.api_key()
     engine = AsyncLLM.from_engine_args(args)
@@ -244,6 +245,7 @@ def run_server(ns: argparse.Namespace) -> int:
                     trust_request_chat_template=ns.trust_request_chat_template,
                     parsers=parsers_from(ns))
     server = make_server(app, ns)
+    freeze_process_heap("API server")  # ember.gc_heap: this process is ember's own
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", names[0], ns.host, ns.port)
     try:
         server.run()

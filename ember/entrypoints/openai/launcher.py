@@ -88,6 +88,7 @@ def run_api_server_process(ns: argparse.Namespace, args: EngineArgs, address: Co
     from ember.engine.async_llm import AsyncLLM
     from ember.entrypoints.openai.api_server import build_app, parsers_from, served_names
     from ember.entrypoints.openai.http_server import limits_from, make_server
+    from ember.gc_heap import freeze_process_heap
 
     logging.basicConfig(level=envs.logging_level(), format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; SIGTERM stops uvicorn
@@ -98,6 +99,7 @@ def run_api_server_process(ns: argparse.Namespace, args: EngineArgs, address: Co
                     trust_request_chat_template=ns.trust_request_chat_template,
                     parsers=parsers_from(ns))
     server = make_server(app, ns)
+    freeze_process_heap("API server")
     try:
         server.run(sockets=[listener])
     finally:
