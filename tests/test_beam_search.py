@@ -465,8 +465,10 @@ def test_async_beam_search_matches_offline(models):
         assert [o.token_ids for o in final.outputs] == \
             [s.tokens[len(prompt):] if s.finish_reason == "length" else s.tokens[len(prompt):-1]
              for s in off.sequences]
+        # The server batches the beams with other requests' rows, offline not: float32 sums of
+        # ~10 nats differ in the sixth digit (1.06e-5 seen), the tokens not at all.
         assert [o.cumulative_logprob for o in final.outputs] == \
-            pytest.approx([s.cum_logprob for s in off.sequences], abs=1e-5)
+            pytest.approx([s.cum_logprob for s in off.sequences], abs=1e-4)
         assert [o.finish_reason for o in final.outputs] == [s.finish_reason for s in off.sequences]
 
 
