@@ -228,7 +228,8 @@ class EngineCore(EngineCoreControl):
         # Requests whose grammar the last fill found complete end now that this step is
         # launched (they may be in it, as in the step in flight: their tokens are dropped).
         self._end_finished_grammars()
-        timer.mark("prepare")
+        # After a deferred sampling, what is left of the launch (the forward's) is its own phase.
+        timer.mark("prepare" if sample is None else "launch after the sampling")
         if self.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         if launched is None:
