@@ -1,19 +1,20 @@
-"""Python's cyclic garbage collector kept off what a process builds at start-up.
+"""Python's cyclic garbage collector kept off what a process ember owns builds at start-up.
 
 A process that has imported torch and transformers and built a model holds a few hundred
-thousand tracked objects (~200k of them torch's and transformers' own modules). Python's full
-(generation 2) collection walks them all: 0.1-0.15 s on the development CPU, and the requests'
-outputs kept between batches trigger one every few batches, which then stalls whatever step it
-lands in. Objects moved into the collector's permanent generation (`gc.freeze`) are skipped by
-every later collection, and never collected: so
+thousand tracked objects. Python's full (generation 2) collection walks them all: 0.05-0.3 s
+(the development CPU, an H200 host), and the requests' outputs kept between batches trigger
+one every few batches, which then stalls whatever step it lands in. Objects moved into the
+collector's permanent generation (`gc.freeze`) are skipped by every later collection, and
+never collected. So a process ember owns (the engine core's, the grammar process, an `ember
+serve` HTTP process) freezes all it holds once it is ready, as vLLM's engine core does: it
+lives as long as its engine.
 
-- a process ember owns (the engine core's, the grammar process, an `ember serve` HTTP process)
-  freezes all it holds once it is ready, as vLLM's engine core does: it never drops an engine;
-- the user's process (`LLM`, `AsyncLLM` in their code) freezes once, before its first engine is
-  built, what torch's and transformers' imports made, never an engine's own objects: dropping
-  an `LLM` must still free its model and KV cache (tests/test_engine_release.py).
-
-EMBER_GC_FREEZE=0 turns both off.
+The user's process (`LLM`, `AsyncLLM` in their code) is left alone: what is frozen there
+includes the user's own objects, and one of them in a reference cycle that holds an `LLM` (an
+object keeping a bound method of itself) would then keep the model and its KV cache for good
+(tests/test_engine_release.py). An application that builds its engines once may call
+`freeze_process_heap` itself after that, as ember's benchmarks do. EMBER_GC_FREEZE=0 turns it
+off everywhere.
 """
 
 from __future__ import annotations
@@ -24,36 +25,14 @@ import time
 
 logger = logging.getLogger("ember")
 
-_imports_frozen = False
-
 
 def freeze_process_heap(what: str) -> None:
-    """In a process ember owns, once it is ready (`what` names it, for the debug log): collect,
-    then freeze every object alive. Never in the user's process: objects frozen in a reference
-    cycle stay for good."""
+    """Collect, then freeze every object alive now (`what` names the process, for the debug
+    log): once the process is ready, in a process that never drops what it has built."""
     from ember import envs
 
-    if envs.gc_freeze():
-        _collect_and_freeze(what)
-
-
-def freeze_imported_heap() -> None:
-    """In the user's process, before its first engine is built: torch's and transformers'
-    modules (imported here if not yet: the engine imports both) out of the collector's walks.
-    Once a process; what the user holds at the time is frozen with them."""
-    global _imports_frozen
-    from ember import envs
-
-    if _imports_frozen or not envs.gc_freeze():
+    if not envs.gc_freeze():
         return
-    _imports_frozen = True
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-
-    _collect_and_freeze("imports")
-
-
-def _collect_and_freeze(what: str) -> None:
     start = time.perf_counter()
     gc.collect()
     gc.freeze()

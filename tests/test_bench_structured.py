@@ -34,7 +34,7 @@ def test_structured_reports_each_rounds_collector_pauses_and_phases(tmp_path):
 
 def test_gc_pause_compares_frozen_and_not_in_both_processes(tmp_path):
     data = _bench(["ember.bench.gc_pause", "--runs", "1"], tmp_path / "g.json")
-    for where in ("user process", "engine core process"):
+    for where in ("application process", "engine core process"):
         frozen, thawed = data[where]["frozen"], data[where]["not frozen"]
         assert frozen["frozen"] > 100_000 and thawed["frozen"] == 0
         assert frozen["walked"] < thawed["walked"]

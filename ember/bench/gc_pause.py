@@ -1,10 +1,12 @@
 """``python -m ember.bench.gc_pause``: what a full collection of Python's garbage collector
-costs once an engine is built, with its start-up heap frozen (ember.gc_heap) and without.
+costs once an engine is built, with the start-up heap frozen (ember.gc_heap) and without.
 
 Each variant in a fresh interpreter (freezing is process-wide), alternating, `--runs` of each:
-the objects the collector walks and the median milliseconds of `gc.collect()` in the user's
-process after `LLM()`, and the same inside the engine core's process (`EMBER_ENGINE_PROCESS=1`,
-asked through `apply_model`). Default model unless `--model`.
+the objects the collector walks and the median milliseconds of `gc.collect()` inside the engine
+core's process (`EMBER_ENGINE_PROCESS=1`, asked through `apply_model`; ember freezes it), and
+in an application's process after `LLM()` that calls `freeze_process_heap` itself (ember
+freezes nothing there). `EMBER_GC_FREEZE=0` for the variant not frozen. Default model unless
+`--model`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,12 @@ def pause(model=None):
 
 
 llm = LLM(sys.argv[1] or None, max_model_len=256)
-where = llm.apply_model(pause)[0] if llm.llm_engine.client.multiprocess else pause()
+if llm.llm_engine.client.multiprocess:
+    where = llm.apply_model(pause)[0]
+else:
+    from ember.gc_heap import freeze_process_heap
+    freeze_process_heap("application")  # what an application that built its engine may do
+    where = pause()
 print(json.dumps(where))
 llm.shutdown()
 """
@@ -57,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     ns = parser.parse_args(argv)
     result: dict = {"commit": git_commit(), "model": ns.model or "SmolLM2-135M-Instruct (default)"}
-    for where, engine_process in (("user process", False), ("engine core process", True)):
+    for where, engine_process in (("application process", False),
+                                  ("engine core process", True)):
         runs: dict[str, list[dict]] = {"frozen": [], "not frozen": []}
         for _ in range(ns.runs):
             for name, freeze in (("frozen", True), ("not frozen", False)):

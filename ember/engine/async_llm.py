@@ -34,7 +34,6 @@ from ember.engine.errors import EngineDeadError
 from ember.engine.llm_engine import resolve_front_end_config
 from ember.engine.output_processor import OutputProcessor, merge_delta_outputs
 from ember.engine.processor import InputProcessor
-from ember.gc_heap import freeze_imported_heap
 from ember.inputs import PromptType
 from ember.model_resolution import load_engine_tokenizer
 from ember.outputs import RequestOutput
@@ -117,7 +116,6 @@ class AsyncLLM(AsyncEngineControlMixin, AsyncPoolingMixin):
         # The core (when we start it) loads the model while we read the config and tokenizer.
         self.client = MPCoreClient(args if attach is None else None, attach=attach)
         try:
-            freeze_imported_heap()  # ember.gc_heap; the core starts meanwhile
             self.model_config = resolve_front_end_config(args)
             self.tokenizer = load_engine_tokenizer(args, self.model_config)
             self.ready = self.client.connect()

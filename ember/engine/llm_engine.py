@@ -19,7 +19,6 @@ from ember.engine.core_client import InprocCoreClient, MPCoreClient
 from ember.engine.engine_control import EngineControlMixin
 from ember.engine.output_processor import OutputProcessor
 from ember.engine.processor import InputProcessor
-from ember.gc_heap import freeze_imported_heap
 from ember.inputs import PromptType
 from ember.model_resolution import load_engine_tokenizer
 from ember.outputs import RequestOutput
@@ -53,7 +52,6 @@ class LLMEngine(EngineControlMixin):
         if multiprocess:
             # The core loads the model while this process reads the config and the tokenizer.
             self.client = MPCoreClient(args)
-            freeze_imported_heap()  # ember.gc_heap; the core starts meanwhile
             try:
                 self.model_config = resolve_front_end_config(args)
                 self.ready = self.client.connect()
@@ -61,7 +59,6 @@ class LLMEngine(EngineControlMixin):
                 self.client.shutdown()
                 raise
         else:
-            freeze_imported_heap()  # before the engine: its own objects must stay collectable
             self.client = InprocCoreClient(args)
             self.model_config = self.client.core.model_config
             self.ready = self.client.ready
