@@ -21,11 +21,11 @@ import sys
 from ember.bench.provenance import git_commit, report
 
 _CHILD = """
-import gc, json, statistics, sys, time
+import json, sys
 from ember import LLM
 
 
-def pause(model=None):
+def pause(model=None):  # also sent to the engine core's process (apply_model): imports inside
     import gc, statistics, time
     gc.collect()
     times = []
