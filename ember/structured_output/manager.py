@@ -14,7 +14,8 @@
 - `sampling_rows(plan)` / `fill(requests)`: the int32 bitmask rows (xgrammar's / llguidance's
   layout) of the scheduled requests that sample this step under a grammar, for the sampler. The
   rows are chosen when the step is planned and filled once the tokens before it are folded in:
-  under async scheduling that is while the step's forward runs (ember.core.engine_core).
+  under async scheduling that is while the step's forward runs (ember.core.engine_core). That
+  side lives in ember.structured_output.bitmask_fill (a base class of the manager).
 
 With a grammar process (`use_process`, ember.structured_output.grammar_process) the grammars
 live there: accepts are always deferred, and each fill is one message to it (the tokens the
@@ -31,30 +32,21 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ember.core.request import Request, RequestStatus
-from ember.core.scheduler_output import GrammarBitmask, SchedulerOutput
-from ember.structured_output.compiler import (
-    Advances,
-    GrammarCompiler,
-    advance_grammars,
-    fill_grammar_rows,
-)
+from ember.structured_output.bitmask_fill import FILL_SWITCH_INTERVAL_S, BitmaskFilling
+from ember.structured_output.compiler import GrammarCompiler
 from ember.structured_output.config import StructuredOutputsConfig
 from ember.structured_output.grammar_process import GrammarBuildError
 from ember.structured_output.interface import Grammar, GrammarSpec
-from ember.structured_output.reasoning_gate import ANSWER, REASONING, UNDECIDED, ReasoningGate
+from ember.structured_output.reasoning_gate import ANSWER, UNDECIDED, ReasoningGate
 from ember.structured_output.switch_interval import ShortSwitchInterval
 from ember.structured_output.validation import select_backend
 
 logger = logging.getLogger("ember")
-
-# The GIL switch interval while a bitmask is filled on the helper thread (see fill_async).
-FILL_SWITCH_INTERVAL_S = 0.0002
 
 
 class StructuredOutputRequest:
@@ -79,7 +71,7 @@ class StructuredOutputRequest:
         self.ended: RequestStatus | None = None
 
 
-class StructuredOutputManager:
+class StructuredOutputManager(BitmaskFilling):
     def __init__(self, config: StructuredOutputsConfig, load_tokenizer: Callable[[], Any],
                  vocab_size: int, model_eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
@@ -298,183 +290,12 @@ class StructuredOutputManager:
                 return False  # the end tag: the answer starts with the next token
         return not self.defer_accepts  # else the next fill advances the grammar (see __init__)
 
-    def sampling_rows(self, plan: SchedulerOutput) -> list[Request]:
-        """The requests of `plan` that sample under a grammar: scheduled up to their last known
-        token, or past it (async scheduling: the token before is still in flight, and the mask
-        is filled once it is folded in)."""
-        return [r for r in plan.scheduled_requests if r.structured_output is not None
-                and r.num_computed_tokens >= r.num_tokens
-                and r.structured_output.grammar is not None]
-
-    def grammar_bitmask(self, plan: SchedulerOutput) -> GrammarBitmask | None:
-        """The bitmask rows of the requests that sample under a grammar in `plan` (every token
-        before this step must be folded in)."""
-        rows = self.sampling_rows(plan)
-        return self.fill(rows) if rows else None
-
-    def fill(self, requests: list[Request]) -> GrammarBitmask:
-        """The bitmask of those of `requests` that sample under their grammar now (row i for
-        req_ids[i]), from their grammars' current states; each backend fills its rows in one
-        call (in parallel where it can). Left out, so unmasked: requests finished by the token
-        folded in last (their sample is dropped), still reasoning, or with a complete grammar."""
-        if self._process is not None:
-            return self.fill_async(requests).result()
-        return self._fill_rows(self._rows(requests), self._next_host_buffer())
-
-    def _next_host_buffer(self) -> int | None:
-        """The host buffer slot the next fill writes into (chosen on the engine thread), or
-        None for a fresh array."""
-        if not self._host_buffers:
-            return None
-        slot = self._host_next
-        self._host_next = (slot + 1) % len(self._host_buffers)
-        return slot
-
-    def fill_async(self, requests: list[Request]) -> Future:
-        """fill() with the backends' native fill running on while this thread goes on (the
-        built-in backends release the GIL inside it). The rows are chosen here (tokens not yet
-        seen replayed), so no grammar may advance before the result is taken.
-
-        A thread that needs the GIL while another runs Python gets it only after the switch
-        interval (5 ms by default), longer than the work it would overlap. So the interval is
-        short until the result is set: the helper starts its fill, and comes back from it,
-        within 0.2 ms whatever this thread runs. (Waiting here until the helper had started
-        instead cost this thread 0.5 ms a call in thread wake-ups and GIL hand-overs; without
-        the short interval the helper, back from the native fill, could wait for the GIL until
-        this thread blocked on the result: 0.6-0.7 ms in a CPU experiment, 5-17 us with it.)
-        """
-        if self._process is not None:
-            return self._fill_in_process(self._rows(requests), self._next_host_buffer())
-        if self._fill_thread is None:
-            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-bitmask")
-        rows = self._rows(requests)
-        self._switch_interval.begin()
-        try:
-            future = self._fill_thread.submit(self._fill_rows, rows, self._next_host_buffer())
-        except BaseException:
-            self._switch_interval.end()
-            raise
-        # Run by the helper just after the result is set (or here, if it is set already).
-        future.add_done_callback(lambda _done: self._switch_interval.end())
-        return future
-
     def take_finished(self) -> list[tuple[Request, RequestStatus]]:
         """The requests (and the status to end them with) whose grammar the fills since the
         last call found complete or refusing its token (deferred accepts); the engine core
         ends them (Scheduler.finish_by_grammar)."""
         finished, self._finished = self._finished, []
         return finished
-
-    def _rows(self, requests: list[Request]) -> tuple:
-        """(the requests with a bitmask row, each backend's grammars and rows, the rows whose
-        first token may open a reasoning block, and with deferred accepts the tokens the
-        grammars are to take first with their rows' requests: (Advances, {row: request}))."""
-        constrained: list[Request] = []
-        by_backend: dict[str, tuple[list, list[int]]] = {}
-        undecided = []
-        advances = Advances()  # deferred accepts
-        advanced: dict[int, Request] = {}  # their rows' requests
-        for request in requests:
-            so = request.structured_output
-            if (request.status >= RequestStatus.FINISHED_STOPPED or so.state == REASONING
-                    or so.ended is not None):
-                continue
-            outputs = request.output_token_ids
-            grammar = so.grammar
-            behind = len(outputs) - so.start - so.num_accepted
-            if behind > 0 and self.defer_accepts:  # advanced by the fill (_advance)
-                advances.add(len(constrained), so.backend, grammar, outputs[-behind:])
-                advanced[len(constrained)] = request
-                so.num_accepted += behind
-            elif behind > 0:  # replay what it has not seen
-                for token in outputs[-behind:]:
-                    grammar.accept_token(token)
-                so.num_accepted += behind
-                if grammar.is_terminated():
-                    continue
-            # (else it is not complete: accept() finished the request when it completed)
-            row = len(constrained)
-            constrained.append(request)
-            if so.state == UNDECIDED:
-                undecided.append(row)
-            entry = by_backend.get(so.backend)
-            if entry is None:
-                entry = by_backend[so.backend] = ([], [])
-            entry[0].append(grammar)
-            entry[1].append(row)
-        return constrained, by_backend, undecided, (advances, advanced)
-
-    def _advance(self, advances: tuple[Advances, dict[int, Request]]) -> set[int]:
-        """Deferred accepts: each row's grammar takes its tokens; returns the rows whose grammar
-        then ends the request (complete, or refusing a token: recorded for take_finished)."""
-        grouped, requests = advances
-        return self._record_endings(advance_grammars(self._compiler.backends, grouped), requests)
-
-    def _record_endings(self, outcomes: list[tuple[int, bool]],
-                        requests: dict[int, Request]) -> set[int]:
-        """Mark the requests of the rows whose grammar ended (row, accepted) for take_finished;
-        returns those rows."""
-        for row, ok in outcomes:
-            request = requests[row]
-            so = request.structured_output
-            if not ok:
-                logger.error("request %s: the grammar refused a sampled token; aborting it",
-                             request.request_id)
-                so.ended = RequestStatus.FINISHED_ABORTED
-            else:
-                so.ended = RequestStatus.FINISHED_STOPPED
-            self._finished.append((request, so.ended))
-        return {row for row, _ in outcomes}
-
-    def _bitmask_shape(self, constrained: list[Request]) -> tuple[int, int]:
-        return (len(constrained), (self.vocab_size + 31) // 32)
-
-    def _fill_rows(self, rows: tuple, slot: int | None = None) -> GrammarBitmask:
-        import numpy as np
-        import torch
-
-        constrained, by_backend, undecided, advances = rows
-        # Deferred accepts first (their rows left unmasked if the request ends: its sample is
-        # dropped).
-        ended = self._advance(advances) if advances[0] else ()
-        # Made here, on fill_async's helper thread (numpy fills it without the GIL). numpy, not
-        # torch.full: a torch op on the host wakes its thread pool, whose spinning threads then
-        # compete with the grammar backends' fill threads (4x slower on an H200 host with 16
-        # cores).
-        shape = self._bitmask_shape(constrained)
-        if slot is None:
-            bitmask = torch.from_numpy(np.empty(shape, dtype=np.int32))
-        else:
-            buffer = self._host_buffers[slot]
-            numel = shape[0] * shape[1]
-            if buffer is None or buffer.numel() < numel:
-                buffer = self._host_buffers[slot] = self._allocate_host(  # type: ignore[misc]
-                    max(numel, 2 * (0 if buffer is None else buffer.numel())))
-            bitmask = buffer[:numel].view(shape)  # fill_grammar_rows sets every row
-        start = time.perf_counter()
-        fill_grammar_rows(self._compiler.backends, by_backend, bitmask, ended)
-        self.last_fill = (start, time.perf_counter())
-        return self._finish_bitmask(constrained, undecided, bitmask)
-
-    def _finish_bitmask(self, constrained: list[Request], undecided: list[int],
-                        bitmask: Any) -> GrammarBitmask:
-        import numpy as np
-
-        if undecided:  # the first token may also open a reasoning block
-            start_id = self._gate.start_id  # type: ignore[union-attr]
-            word, bit = divmod(start_id, 32)
-            bitmask.numpy()[undecided, word] |= np.array(1 << bit, dtype=np.int64).astype(
-                np.int32)
-        return GrammarBitmask([r.request_id for r in constrained], bitmask)
-
-    def _fill_in_process(self, rows: tuple, slot: int | None) -> PendingProcessFill:
-        """Send a fill to the grammar process; its result is taken when asked for."""
-        constrained, by_backend, undecided, advances = rows
-        process = self._process
-        assert slot is not None and process is not None
-        grouped, advanced = advances
-        seq, bitmask = process.fill(grouped, by_backend, slot, self._bitmask_shape(constrained))
-        return PendingProcessFill(self, seq, constrained, undecided, bitmask, advanced)
 
     def shutdown(self) -> None:
         if self._process is not None:
@@ -485,29 +306,3 @@ class StructuredOutputManager:
         if self._fill_thread is not None:
             self._fill_thread.shutdown(wait=True)
             self._fill_thread = None
-
-
-class PendingProcessFill:
-    """A fill sent to the grammar process; `result()` (on the engine thread) waits for its
-    answer and gives the bitmask, as fill_async's future does."""
-
-    def __init__(self, manager: StructuredOutputManager, seq: int, constrained: list[Request],
-                 undecided: list[int], bitmask: Any, advanced: dict[int, Request]) -> None:
-        self._manager = manager
-        self._seq = seq
-        self._constrained = constrained
-        self._undecided = undecided
-        self._bitmask = bitmask
-        self._advanced = advanced
-        self._result: GrammarBitmask | None = None
-
-    def result(self) -> GrammarBitmask:
-        if self._result is None:
-            manager = self._manager
-            outcomes, start, end, phases = manager._process.reply(self._seq)
-            manager._record_endings(outcomes, self._advanced)
-            manager.last_fill = (start, end)
-            manager.last_fill_phases = phases
-            self._result = manager._finish_bitmask(self._constrained, self._undecided,
-                                                   self._bitmask)
-        return self._result
