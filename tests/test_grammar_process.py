@@ -213,3 +213,81 @@ def test_add_requests_benchmark_runs(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["us_per_request"]) == {"json_schema", "plain"}
     assert all(0 < us < 1e6 for us in result["us_per_request"].values())
+
+
+def test_the_process_side_keeps_each_grammars_state():
+    """The grammar process's own steps (run here, without a pipe): each token goes to its key's
+    grammar in order (a key twice in one message too); freed keys and ended grammars take
+    nothing and their rows allow every token; the grammars that end are answered by key; with
+    a reasoning parser the gate lives there: reasoning rows are free, the end tag is not the
+    grammar's, and an undecided row also allows the start tag."""
+    import functools
+
+    import numpy as np
+    import torch
+
+    from ember.default_model import default_model_path
+    from ember.structured_output.config import StructuredOutputsConfig
+    from ember.structured_output.grammar_server import _GrammarServer
+    from ember.structured_output.interface import GrammarSpec
+    from ember.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    eos = tokenizer.eos_token_id
+    sent = []
+
+    class Pipe:
+        send = staticmethod(sent.append)
+
+    def server(**config):
+        config = StructuredOutputsConfig.of({"backend": "xgrammar", **config})
+        made = _GrammarServer(Pipe(), config, functools.partial(load_tokenizer,
+                                                                 default_model_path()),
+                              len(tokenizer), eos + 1)
+        made.pool.shutdown()
+        return made
+
+    def allowed(row) -> set[int]:
+        bits = np.unpackbits(row.numpy().view(np.uint8), bitorder="little")
+        return set(np.flatnonzero(bits).tolist())
+
+    spec = GrammarSpec.of(StructuredOutputsParams(choice=["yes", "no"]))
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    words = (len(tokenizer) + 31) // 32
+    plain = server()
+    for key in (1, 2):
+        plain._build(key, "xgrammar", spec, [eos], None)
+    assert [m[:3] for m in sent] == [("built", 1, None), ("built", 2, None)]
+    # Key 1 takes "yes" then eos in one message (the same key twice): complete, answered.
+    assert plain._accept([1] * len(yes) + [1, 7], yes + [eos, 5]) == [(1, True)]
+    bitmask = torch.zeros(3, words, dtype=torch.int32)
+    plain._fill_rows([1, 2, 7], bitmask)
+    everything = allowed(torch.full((words,), -1, dtype=torch.int32))
+    assert allowed(bitmask[0]) == everything == allowed(bitmask[2])  # ended; unknown key
+    first = allowed(bitmask[1])  # key 2 has taken nothing: "yes" or "no" starts
+    assert yes[0] in first and eos not in first and len(first) < 10
+    assert plain._accept([1], [yes[0]]) == []  # an ended grammar takes nothing more
+    plain._free([2])
+    assert plain._accept([2], [yes[0]]) == [] and 2 not in plain.grammars
+    assert plain._accept([3], [eos]) == []  # never built
+
+    # Qwen3's tags are not single tokens of this tokenizer: use ids the gate is told of.
+    gated = server(reasoning_parser="qwen3")
+    gated._build(1, "xgrammar", spec, [eos], np.array([1, 2], np.int32))
+    gate = gated.gate
+    gate.start_id, gate.end_id, gate.starts_in_reasoning = 11, 12, False
+    for key, state in ((2, "undecided"), (3, "reasoning")):
+        gated._build(key, "xgrammar", spec, [eos], np.array([1, 2], np.int32))
+        gated.gate_state[key] = state
+    bitmask = torch.zeros(3, words, dtype=torch.int32)
+    gated._fill_rows([1, 2, 3], bitmask)
+    assert 11 in allowed(bitmask[1]) and allowed(bitmask[1]) - {11} == allowed(bitmask[0])
+    assert allowed(bitmask[2]) == everything
+    # Reasoning, then the end tag (not the grammar's), then "yes" under the grammar.
+    assert gated._accept([3, 3, 3] + [3] * len(yes) + [3], [40, 41, 12] + yes + [eos]) == [
+        (3, True)]
+    assert gated._accept([2], [yes[0]]) == []  # undecided: its first token is the grammar's
+    assert 2 not in gated.gate_state
+    gated._fill_rows([2], bitmask[:1])
+    after_first = allowed(bitmask[0])
+    assert (yes[1] if len(yes) > 1 else eos) in after_first and 11 not in after_first

@@ -158,14 +158,18 @@ def test_auto_backend_falls_back_to_guidance_and_caches_grammars():
         StructuredOutputsConfig(backend="nope").validate()
 
 
-def test_async_scheduling_preemption_and_prefix_hits_keep_outputs():
+@pytest.mark.parametrize("grammar_process", ["0", "1"])
+def test_async_scheduling_preemption_and_prefix_hits_keep_outputs(monkeypatch, grammar_process):
     """Greedy structured outputs with async scheduling, a KV cache so small that requests are
     preempted (and recomputed) and a shared prompt prefix (cache hits) are the tokens of a plain
     synchronous run, up to a float32 near-tie (vLLM's rule, tests/reference.py: a recomputed
     request's keys and values come from prefill attention, not decode attention, so the last
     bits may differ; the logprobs are the masked distribution's); every output is valid under
-    its grammar either way, so the grammar never sees a stale state."""
+    its grammar either way, so the grammar never sees a stale state. The same with the grammars
+    in their own process (each sampled token sent to it once, preempted requests' included)."""
     from reference import GreedyRun, check_greedy_match, ember_top5
+
+    monkeypatch.setenv("EMBER_GRAMMAR_PROCESS", grammar_process)
 
     prompt = "You are a helpful assistant. Reply with the JSON record asked for. Record:"
     jobs = [_so(json=s, disable_any_whitespace=True) for s in SCHEMAS[:8]]
@@ -178,6 +182,7 @@ def test_async_scheduling_preemption_and_prefix_hits_keep_outputs():
     plain.shutdown()
     # 32 blocks of 4 tokens: the prompt's blocks are shared, but 13 requests' own blocks are not.
     tight = LLM(max_model_len=128, block_size=4, async_scheduling=True, num_gpu_blocks_override=32)
+    assert tight.llm_engine.engine_core.structured_output.uses_process == (grammar_process == "1")
     outs = tight.generate([prompt] * len(jobs), params, use_tqdm=False)
     notes = []
     for i, (so, want, got) in enumerate(zip(jobs, expected, [o.outputs[0] for o in outs])):
@@ -198,9 +203,11 @@ def test_async_scheduling_preemption_and_prefix_hits_keep_outputs():
     assert any(o.num_cached_tokens > 0 for o in outs)
 
 
-def test_deferred_accepts_end_a_grammar_the_stop_checks_let_through(monkeypatch):
+@pytest.mark.parametrize("grammars_in", ["helper thread", "process"])
+def test_deferred_accepts_end_a_grammar_the_stop_checks_let_through(monkeypatch, grammars_in):
     """With async scheduling and EMBER_GRAMMAR_DEFERRED_ACCEPTS=1 a step's grammars advance as
-    its bitmask is filled (deferred accepts, one batched call on the helper thread). A grammar
+    its bitmask is filled (deferred accepts, one batched call on the helper thread, or in the
+    grammar process, EMBER_GRAMMAR_PROCESS=1, which names the grammars that ended). A grammar
     completed by a token the stop checks let through (eos under ignore_eos) still ends its
     request "stop", a step later, with the tokens of a synchronous run (which ends it at once)
     and no KV block kept."""
@@ -220,7 +227,8 @@ def test_deferred_accepts_end_a_grammar_the_stop_checks_let_through(monkeypatch)
     default = LLM(max_model_len=128, async_scheduling=True)
     assert not default.llm_engine.engine_core.structured_output.defer_accepts  # opt-in
     default.shutdown()
-    monkeypatch.setenv("EMBER_GRAMMAR_DEFERRED_ACCEPTS", "1")
+    monkeypatch.setenv("EMBER_GRAMMAR_DEFERRED_ACCEPTS" if grammars_in == "helper thread"
+                       else "EMBER_GRAMMAR_PROCESS", "1")
     deferred = LLM(max_model_len=128, async_scheduling=True)
     core = deferred.llm_engine.engine_core
     assert core.structured_output.defer_accepts  # the path under test

@@ -3,10 +3,11 @@
 `sampling_rows(plan)` chooses the scheduled requests that sample under a grammar this step;
 `fill(requests)` / `fill_async(requests)` give their int32 bitmask rows (xgrammar's / llguidance's
 layout), each backend filling its rows in one call: on a helper thread that overlaps the engine
-thread's work, or in the grammar process (one message a step, the rows written into a shared
-page-locked buffer, the answer taken by `PendingProcessFill.result`). Tokens a grammar has not
-seen are replayed first, or, with deferred accepts, advanced in one batched backend call; the
-grammars found complete or refusing a token are recorded for `take_finished`.
+thread's work (tokens a grammar has not seen are replayed first, or, with deferred accepts,
+advanced in one batched backend call), or in the grammar process (one message a step: the
+tokens sampled since the last, then each row's grammar key; the rows are written into a shared
+page-locked buffer, the answer taken by `PendingProcessFill.result`). The grammars found
+complete or refusing a token are recorded for `take_finished`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class BitmaskFilling:
     _switch_interval: ShortSwitchInterval
     _fill_thread: ThreadPoolExecutor | None
     _finished: list[tuple[Request, RequestStatus]]
+    _accepts: tuple[list[int], list[int]]
+    _by_key: Any
     _allocate_host: Callable[[int], Any] | None
     _host_buffers: list[Any]
     _host_next: int
@@ -96,7 +99,7 @@ class BitmaskFilling:
         this thread blocked on the result: 0.6-0.7 ms in a CPU experiment, 5-17 us with it.)
         """
         if self._process is not None:
-            return self._fill_in_process(self._rows(requests), self._next_host_buffer())
+            return self._fill_in_process(requests, self._next_host_buffer())
         if self._fill_thread is None:
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-bitmask")
         rows = self._rows(requests)
@@ -171,6 +174,17 @@ class BitmaskFilling:
             self._finished.append((request, so.ended))
         return {row for row, _ in outcomes}
 
+    def _record_ended_keys(self, keys: list[tuple[int, bool]]) -> None:
+        """The grammar process's (key, accepted) of the grammars that ended: their requests
+        are recorded for take_finished (those still alive and not ending already)."""
+        outcomes, requests = [], {}
+        for i, (key, ok) in enumerate(keys):
+            request = self._by_key.get(key)
+            if request is not None and request.structured_output.ended is None:
+                outcomes.append((i, ok))
+                requests[i] = request
+        self._record_endings(outcomes, requests)
+
     def _bitmask_shape(self, constrained: list[Request]) -> tuple[int, int]:
         return (len(constrained), (self.vocab_size + 31) // 32)
 
@@ -212,37 +226,36 @@ class BitmaskFilling:
                 np.int32)
         return GrammarBitmask([r.request_id for r in constrained], bitmask)
 
-    def _fill_in_process(self, rows: tuple, slot: int | None) -> PendingProcessFill:
-        """Send a fill to the grammar process; its result is taken when asked for."""
-        constrained, by_backend, undecided, advances = rows
+    def _fill_in_process(self, requests: list[Request], slot: int | None) -> PendingProcessFill:
+        """Send a fill to the grammar process (the tokens sampled since the last one, then a
+        row for each of `requests`); its result is taken when asked for."""
         process = self._process
         assert slot is not None and process is not None
-        grouped, advanced = advances
-        seq, bitmask = process.fill(grouped, by_backend, slot, self._bitmask_shape(constrained))
-        return PendingProcessFill(self, seq, constrained, undecided, bitmask, advanced)
+        accepts, self._accepts = self._accepts, ([], [])
+        seq, bitmask = process.fill(accepts, requests, slot, self._bitmask_shape(requests))
+        return PendingProcessFill(self, seq, requests, bitmask)
 
 
 class PendingProcessFill:
     """A fill sent to the grammar process; `result()` (on the engine thread) waits for its
     answer and gives the bitmask, as fill_async's future does."""
 
-    def __init__(self, manager: BitmaskFilling, seq: int, constrained: list[Request],
-                 undecided: list[int], bitmask: Any, advanced: dict[int, Request]) -> None:
+    def __init__(self, manager: BitmaskFilling, seq: int, requests: list[Request],
+                 bitmask: Any) -> None:
         self._manager = manager
         self._seq = seq
-        self._constrained = constrained
-        self._undecided = undecided
+        self._requests = requests
         self._bitmask = bitmask
-        self._advanced = advanced
         self._result: GrammarBitmask | None = None
 
     def result(self) -> GrammarBitmask:
         if self._result is None:
             manager = self._manager
             outcomes, start, end, phases = manager._process.reply(self._seq)
-            manager._record_endings(outcomes, self._advanced)
+            if outcomes:  # the keys whose grammar ended, by their requests
+                manager._record_ended_keys(outcomes)
             manager.last_fill = (start, end)
             manager.last_fill_phases = phases
-            self._result = manager._finish_bitmask(self._constrained, self._undecided,
-                                                   self._bitmask)
+            self._result = GrammarBitmask([r.request_id for r in self._requests],
+                                          self._bitmask)
         return self._result

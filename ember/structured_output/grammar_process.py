@@ -4,12 +4,13 @@ Under async scheduling on a GPU a step's masked sampling waits for its bitmask, 
 needs the step before's tokens accepted by the grammars (ember.core.engine_core). On the engine
 thread those accepts, and a fill thread's hand-overs, compete for the interpreter that also
 schedules, launches and detokenizes (xgrammar's batched accept holds the GIL). Here the
-grammars live in a spawned process: a step's message carries the tokens each grammar has not
-seen and the rows to fill; the process accepts them, fills the rows straight into a shared
-host buffer (page-locked in the engine's process, so the runner copies it to the device as it
-is) and answers with the rows whose grammar ended. The engine thread meanwhile hands its
-outputs over and schedules the next step; it reads the answer only when it launches the
-sampling.
+grammars live in a spawned process, with all their state (ember.structured_output.grammar_server):
+a step's message carries the tokens sampled since the last one, as (key, token) arrays, and the
+key of each bitmask row; the process accepts them, fills the rows straight into a shared host
+buffer (page-locked in the engine's process, so the runner copies it to the device as it is)
+and answers with the tokens that ended their grammar. The engine thread does no work per row
+beyond gathering keys and tokens; it meanwhile hands its outputs over and schedules the next
+step, and reads the answer only when it launches the sampling.
 
 `GrammarProcess` is the engine's side (it starts `python -m
 ember.structured_output.grammar_server`, the other side): one pipe, read only by the engine
@@ -37,7 +38,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from ember.structured_output.compiler import Advances
 from ember.structured_output.config import StructuredOutputsConfig
 from ember.structured_output.interface import GrammarSpec
 
@@ -147,9 +147,11 @@ class GrammarProcess:
         self.closed = False
 
     # ---- grammars ----------------------------------------------------------------------
-    def add(self, backend: str, spec: GrammarSpec, stop_ids: list[int]) -> Future:
+    def add(self, backend: str, spec: GrammarSpec, stop_ids: list[int],
+            prompt_token_ids: Any = None) -> Future:
         """Build a grammar in the process; the future (set by `pump`) gives its RemoteGrammar,
-        or raises GrammarBuildError."""
+        or raises GrammarBuildError. With a reasoning parser the prompt's ids (an int array)
+        give where the answer starts."""
         with self._send_lock:
             key, self._next_key = self._next_key, self._next_key + 1
             handle = RemoteGrammar(key)
@@ -157,7 +159,7 @@ class GrammarProcess:
             future: Future = Future()
             self._builds[key] = (future, handle)
             # Sent in groups (ADD_BATCH), the rest with the next pump, fill or reply.
-            self._adds.append((key, backend, spec, stop_ids))
+            self._adds.append((key, backend, spec, stop_ids, prompt_token_ids))
         if len(self._adds) >= ADD_BATCH:
             self._flush_adds()
         return future
@@ -176,13 +178,13 @@ class GrammarProcess:
         except IndexError:
             return free
 
-    def fill(self, advances: Advances, by_backend: dict[str, tuple[list[RemoteGrammar],
-                                                                   list[int]]],
-             slot: int, shape: tuple[int, int]) -> tuple[int, Any]:
-        """Ask for a step's grammar work: the grammars take their tokens, then the rows are
-        filled into buffer `slot` as an int32 [rows, words] array (rows of grammars that end
-        are left all ones). Returns (the reply's sequence number, the filled view). Rows, keys
-        and tokens go as int arrays (a pickled list of tuples cost ~0.2 ms a step)."""
+    def fill(self, accepts: tuple[list[int], list[int]], rows: list[Any], slot: int,
+             shape: tuple[int, int]) -> tuple[int, Any]:
+        """Ask for a step's grammar work: `accepts` = (keys, tokens), the tokens sampled since
+        the last fill, in order, each taken by its key's grammar; then bitmask row i is filled
+        from rows[i]'s grammar (requests) into buffer `slot` as an int32 [rows, words] array.
+        Returns (the reply's sequence number, the filled view). Keys and tokens go as int
+        arrays (a pickled list of tuples cost ~0.2 ms a step)."""
         import numpy as np
 
         numel = shape[0] * shape[1]
@@ -194,23 +196,17 @@ class GrammarProcess:
                 buffer.close()
             buffer = self._buffers[slot] = SharedHostBuffer(max(numel, 2 * old, 1), self._pin)
             path = buffer.path
-
-        def keys(grammars: list[RemoteGrammar]) -> Any:
-            return np.fromiter((g.key for g in grammars), np.int64, len(grammars))
-
-        single = {name: (np.array(rows, np.int32), keys(grammars), np.array(tokens, np.int32))
-                  for name, (rows, grammars, tokens) in advances.single.items()}
-        replays = [(row, name, g.key, tokens) for row, name, g, tokens in advances.replays]
-        fills = {name: (keys(grammars), np.array(rows, np.int32))
-                 for name, (grammars, rows) in by_backend.items()}
+        keys, tokens = accepts
+        fill_keys = np.fromiter((r.structured_output.grammar.key for r in rows), np.int64,
+                                len(rows))
         self._flush_adds()
         with self._send_lock:
             seq, self._next_seq = self._next_seq, self._next_seq + 1
             if path is not None:
                 self._unlink_after[seq] = buffer
             self._sent_at[seq] = time.perf_counter()
-            self._send(("fill", self._take_free(), seq, single, replays, fills, slot, path,
-                        buffer.numel, shape))
+            self._send(("fill", self._take_free(), seq, np.array(keys, np.int64),
+                        np.array(tokens, np.int32), fill_keys, slot, path, buffer.numel, shape))
         return seq, buffer.tensor[:numel].view(shape)
 
     # ---- answers -----------------------------------------------------------------------
@@ -223,8 +219,8 @@ class GrammarProcess:
             timeout = 0.0
 
     def reply(self, seq: int) -> tuple:
-        """The answer to fill `seq`: (the rows that end, as (row, accepted); the fill's start
-        and end (perf_counter, shared by the two processes); seconds by phase, for step
+        """The answer to fill `seq`: (the grammars that ended, as (key, accepted); the fill's
+        start and end (perf_counter, shared by the two processes); seconds by phase, for step
         timing); waits for it."""
         self._flush_adds()
         self._spin(lambda: seq in self._replies)

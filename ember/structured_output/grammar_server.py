@@ -3,6 +3,12 @@ ember.structured_output.grammar_process.GrammarProcess): its setup is the first 
 pipe; grammar builds run on a thread pool, each step's accepts and fill on the main thread, into
 the shared buffers the engine names; it ends on "stop" or when the engine's end of the pipe
 closes.
+
+The process keeps every grammar's state: the tokens it has taken (each sampled token comes once,
+as (key, token) arrays in sampling order), whether it ended (complete, or refusing a token), and
+with a reasoning parser where its answer starts (ember.structured_output.reasoning_gate: a
+request's first state comes from its prompt, sent with its build). A fill names each bitmask
+row's key; rows without a live grammar in its answer allow every token.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 from ember.gc_heap import freeze_process_heap
 from ember.structured_output.config import StructuredOutputsConfig
 from ember.structured_output.interface import GrammarSpec
+from ember.structured_output.reasoning_gate import ANSWER, REASONING, UNDECIDED
 
 logger = logging.getLogger("ember")
 
@@ -58,6 +65,13 @@ class _GrammarServer:
         self.spin_seconds = spin_seconds  # polling before blocking, after each message
         self.compiler = GrammarCompiler(config, load_tokenizer, vocab_size, eos_width)
         self.grammars: dict[int, Any] = {}
+        self.backend_of: dict[int, str] = {}
+        self.ended: set[int] = set()  # keys whose grammar is complete or refused a token
+        # With a reasoning parser (and grammars off while reasoning): the gate, built with the
+        # first grammar, and the state of each key not yet in its answer.
+        self.gated = bool(config.reasoning_parser) and not config.enable_in_reasoning
+        self.gate: Any = None
+        self.gate_state: dict[int, str] = {}
         self.building: set[int] = set()
         self.freed_while_building: set[int] = set()
         self.lock = threading.Lock()  # the pipe's sends, and the three collections above
@@ -86,8 +100,8 @@ class _GrammarServer:
                 if kind == "add":
                     with self.lock:
                         self.building.update(key for key, *_ in message[2])
-                    for key, backend, spec, stop_ids in message[2]:
-                        self.pool.submit(self._build, key, backend, spec, stop_ids)
+                    for key, backend, spec, stop_ids, prompt in message[2]:
+                        self.pool.submit(self._build, key, backend, spec, stop_ids, prompt)
                 elif kind == "fill":
                     self._fill(*message[2:])
         finally:
@@ -101,13 +115,19 @@ class _GrammarServer:
         if keys:
             with self.lock:
                 for key in keys:
+                    self.backend_of.pop(key, None)
+                    self.ended.discard(key)
+                    self.gate_state.pop(key, None)
                     if self.grammars.pop(key, None) is None and key in self.building:
                         self.freed_while_building.add(key)
 
-    def _build(self, key: int, backend: str, spec: GrammarSpec, stop_ids: list[int]) -> None:
-        error = None
+    def _build(self, key: int, backend: str, spec: GrammarSpec, stop_ids: list[int],
+               prompt: Any) -> None:
+        error, state = None, ANSWER
         try:
             grammar = self.compiler.build(backend, spec, stop_ids)
+            if self.gated:
+                state = self._gate().initial_state(prompt.tolist())
         except Exception as exc:  # validated in the front end, so a backend's own failure
             grammar, error = None, f"{type(exc).__name__}: {exc}"
         if not self.heap_frozen:
@@ -122,42 +142,108 @@ class _GrammarServer:
                 self.freed_while_building.discard(key)
             elif grammar is not None:
                 self.grammars[key] = grammar
+                self.backend_of[key] = backend
+                if state != ANSWER:
+                    self.gate_state[key] = state
             self.conn.send(("built", key, error, self.compiler.vocab_size,
                             self.compiler.num_compiled))
 
-    def _fill(self, seq: int, single: dict, replays: list, fills: dict, slot: int,
-              path: str | None, numel: int, shape: tuple[int, int]) -> None:
-        from ember.structured_output.compiler import (
-            Advances,
-            advance_grammars,
-            fill_grammar_rows,
-        )
+    def _gate(self) -> Any:
+        from ember.structured_output.reasoning_gate import ReasoningGate
 
+        with self.lock:
+            if self.gate is None:
+                self.gate = ReasoningGate(self.compiler.config.reasoning_parser,
+                                          self.compiler.tokenizer)
+            return self.gate
+
+    def _fill(self, seq: int, accept_keys: Any, accept_tokens: Any, fill_keys: Any, slot: int,
+              path: str | None, numel: int, shape: tuple[int, int]) -> None:
         try:
             if path is not None:
                 self.buffers[slot] = _map_shared(path, numel)
-            grammars = self.grammars
-            advances = Advances()
-            advances.single = {
-                name: (rows.tolist(), [grammars[k] for k in keys.tolist()], tokens.tolist())
-                for name, (rows, keys, tokens) in single.items()}
-            advances.replays = [(row, name, grammars[key], tokens)
-                                for row, name, key, tokens in replays]
-            outcomes = advance_grammars(self.compiler.backends, advances)
+            outcomes = self._accept(accept_keys.tolist(), accept_tokens.tolist())
             advanced = time.perf_counter()
             bitmask = self.buffers[slot][:shape[0] * shape[1]].view(shape)
             start = time.perf_counter()
-            fill_grammar_rows(self.compiler.backends, {
-                name: ([grammars[k] for k in keys.tolist()], rows.tolist())
-                for name, (keys, rows) in fills.items()},
-                bitmask, {row for row, _ in outcomes})
+            self._fill_rows(fill_keys.tolist(), bitmask)
             end = time.perf_counter()
             with self.lock:
                 times = (self.received, advanced, start, end, time.perf_counter())
-                self.conn.send(("filled", seq, outcomes, times, len(grammars)))
+                self.conn.send(("filled", seq, outcomes, times, len(self.grammars)))
         except Exception as exc:
             logger.exception("grammar step failed")
             self._send(("failed", seq, f"{type(exc).__name__}: {exc}"))
+
+    def _accept(self, keys: list[int], tokens: list[int]) -> list[tuple[int, bool]]:
+        """Each key's grammar takes its token (in order; each backend's in one call where no key
+        repeats); returns (key, accepted) of the grammars that ended: accepted False, it
+        refused the token; True, it is complete."""
+        from ember.structured_output.compiler import Advances, advance_grammars
+
+        grammars, ended, gate_state = self.grammars, self.ended, self.gate_state
+        outcomes: list[tuple[int, bool]] = []
+        batch, in_batch = Advances(), set()
+
+        def advance() -> None:
+            for index, ok in advance_grammars(self.compiler.backends, batch):
+                outcomes.append((keys[index], ok))
+                ended.add(keys[index])
+            batch.single.clear()
+            in_batch.clear()
+
+        for index, (key, token) in enumerate(zip(keys, tokens)):
+            grammar = grammars.get(key)
+            if grammar is None or key in ended:  # freed, or its request is ending
+                continue
+            if gate_state:
+                state = gate_state.get(key)
+                if state is not None:  # reasoning (or its first token): the gate moves on
+                    after = self.gate.next_state(state, token)
+                    if after == ANSWER:
+                        del gate_state[key]
+                    else:
+                        gate_state[key] = after
+                    if after != ANSWER or state != UNDECIDED:
+                        continue  # the end tag, or still reasoning: not the grammar's
+            if key in in_batch:  # a second token for one grammar: the first batch goes first
+                advance()
+            in_batch.add(key)
+            batch.add(index, self.backend_of[key], grammar, [token])
+        if batch:
+            advance()
+        return outcomes
+
+    def _fill_rows(self, keys: list[int], bitmask: Any) -> None:
+        """Row i of `bitmask` from key i's grammar; rows of keys without one (freed, ended,
+        reasoning) allow every token, and an undecided row also the reasoning start tag."""
+        import numpy as np
+
+        from ember.structured_output.compiler import fill_grammar_rows
+
+        grammars, ended, gate_state = self.grammars, self.ended, self.gate_state
+        by_backend: dict[str, tuple[list, list[int]]] = {}
+        undecided = []
+        for row, key in enumerate(keys):
+            grammar = grammars.get(key)
+            if grammar is None or key in ended:
+                continue
+            if gate_state:
+                state = gate_state.get(key)
+                if state == REASONING:
+                    continue
+                if state == UNDECIDED:
+                    undecided.append(row)
+            entry = by_backend.get(self.backend_of[key])
+            if entry is None:
+                entry = by_backend[self.backend_of[key]] = ([], [])
+            entry[0].append(grammar)
+            entry[1].append(row)
+        fill_grammar_rows(self.compiler.backends, by_backend, bitmask)
+        if undecided:
+            word, bit = divmod(self.gate.start_id, 32)
+            bitmask.numpy()[undecided, word] |= np.array(1 << bit, dtype=np.int64).astype(
+                np.int32)
 
 
 def _map_shared(path: str, numel: int) -> Any:

@@ -18,9 +18,9 @@
   side lives in ember.structured_output.bitmask_fill (a base class of the manager).
 
 With a grammar process (`use_process`, ember.structured_output.grammar_process) the grammars
-live there: accepts are always deferred, and each fill is one message to it (the tokens the
-grammars have not seen, the rows to fill into a shared buffer) answered when the engine thread
-takes the result.
+and all their state (the tokens taken, the reasoning gate) live there: accept_many only records
+each token with its grammar's key, and each fill is one message to it (those tokens, then the
+key of each row to fill into a shared buffer) answered when the engine thread takes the result.
 
 Preemption keeps a request's generated tokens (it is recomputed, not rolled back), so its grammar
 state stays valid; should a grammar ever be behind the request's tokens, the missing tokens are
@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -105,6 +106,10 @@ class StructuredOutputManager(BitmaskFilling):
         # The grammar process (use_process): its arguments until the first grammar starts it.
         self._process: Any = None
         self._process_args: dict[str, Any] | None = None
+        # With it: the tokens sampled since the last fill, as (keys, tokens) in order, and each
+        # live key's request (the process names the keys whose grammar ended).
+        self._accepts: tuple[list[int], list[int]] = ([], [])
+        self._by_key: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
 
     @property
     def vocab_size(self) -> int:
@@ -142,7 +147,8 @@ class StructuredOutputManager(BitmaskFilling):
         filling ``count`` shared host buffers in turn (reused as use_host_buffers' are),
         each page-locked here by ``pin`` (a platform's pin_host_memory); each side polls for
         up to ``spin_seconds`` before it blocks on the other. Accepts are deferred from then
-        on."""
+        on: accept_many only records each grammar's key and token, and the next fill sends
+        them; the process keeps the grammars' state (reasoning gate included)."""
         self._process_args = {"buffers": count, "pin": pin, "spin_seconds": spin_seconds}
         self._host_buffers = [None] * count
         self._host_next = 0
@@ -170,13 +176,13 @@ class StructuredOutputManager(BitmaskFilling):
         stop_ids = sorted(request.eos_token_ids | request.sampling_params.all_stop_token_ids)
         request.structured_output = so
         if self.uses_process:
-            process = self._start_process()
-            if self.config.reasoning_parser and not self.config.enable_in_reasoning:
-                # The reasoning gate stays here (it needs the tokenizer: loaded on the pool).
-                so.future = self._submit(self._build_remote, process, so, stop_ids,
-                                         request.prompt_token_ids)
-            else:
-                so.future = process.add(backend, spec, stop_ids)
+            import numpy as np
+
+            # The process keeps the reasoning gate too: the prompt says where the answer starts.
+            gated = self.config.reasoning_parser and not self.config.enable_in_reasoning
+            so.future = self._start_process().add(
+                backend, spec, stop_ids,
+                np.array(request.prompt_token_ids, np.int32) if gated else None)
             return
         so.future = self._submit(self._build, so, stop_ids, request.prompt_token_ids)
         so.future.add_done_callback(self._notify)
@@ -196,11 +202,6 @@ class StructuredOutputManager(BitmaskFilling):
         self._compiler.backend(so.backend)  # the tokenizer first (the gate needs it)
         self._start_gate(so, prompt_token_ids, lambda: self._compiler.tokenizer)
         return self._compiler.build(so.backend, so.spec, stop_ids)
-
-    def _build_remote(self, process: Any, so: StructuredOutputRequest, stop_ids: list[int],
-                      prompt_token_ids: list[int]) -> Any:
-        self._start_gate(so, prompt_token_ids, self._load_tokenizer)
-        return process.add(so.backend, so.spec, stop_ids)  # a future: see ready()
 
     def _start_gate(self, so: StructuredOutputRequest, prompt_token_ids: list[int],
                     tokenizer: Callable[[], Any]) -> None:
@@ -223,11 +224,9 @@ class StructuredOutputManager(BitmaskFilling):
         if not so.future.done():
             return False
         try:
-            grammar = so.future.result()
-            if isinstance(grammar, Future):  # the gate is set; the process builds the grammar
-                so.future = grammar
-                return self.ready(request)
-            so.grammar = grammar
+            so.grammar = so.future.result()
+            if self._process is not None:  # the process's answers name the key
+                self._by_key[so.grammar.key] = request
         except Exception as exc:  # validated in the front end, so a backend's own failure
             so.error = (str(exc) if isinstance(exc, GrammarBuildError)
                         else f"{type(exc).__name__}: {exc}")
@@ -255,6 +254,12 @@ class StructuredOutputManager(BitmaskFilling):
         native call for the rows). Returns the requests the grammar finished: complete (status
         FINISHED_STOPPED) or refusing the token (FINISHED_ABORTED, logged; it cannot happen
         with the mask applied)."""
+        if self._process is not None:  # the next fill sends them (see use_process)
+            keys, tokens = self._accepts
+            for request, token in sampled:
+                keys.append(request.structured_output.grammar.key)
+                tokens.append(token)
+            return []
         by_backend: dict[str, list[tuple[Request, int]]] = {}
         for request, token in sampled:
             if self._takes_token(request, token):
