@@ -256,9 +256,8 @@ class StructuredOutputManager(BitmaskFilling):
         with the mask applied)."""
         if self._process is not None:  # the next fill sends them (see use_process)
             keys, tokens = self._accepts
-            for request, token in sampled:
-                keys.append(request.structured_output.grammar.key)
-                tokens.append(token)
+            keys += [request.structured_output.grammar.key for request, _ in sampled]
+            tokens += [token for _, token in sampled]
             return []
         by_backend: dict[str, list[tuple[Request, int]]] = {}
         for request, token in sampled:
