@@ -57,7 +57,7 @@ def test_the_process_gives_the_threads_tokens(monkeypatch, async_scheduling):
     manager = llm.llm_engine.engine_core.structured_output
     assert manager.uses_process and manager.defer_accepts
     if async_scheduling:  # both sides poll before they block, as on a GPU host
-        manager._process_args["spin_seconds"] = 0.002
+        manager._process_args.update(spin_seconds=0.002, poll_interval=0.0001)
     assert _token_ids(llm) == expected
     outs = llm.generate(PROMPTS[:1], _params()[:1], use_tqdm=False)
     json.loads(outs[0].outputs[0].text)
