@@ -14,7 +14,12 @@ Variants, side by side in one run, per backend:
 - `tokenizer-width`: the manager as it is, the step's tokens accepted as they are folded in;
 - `deferred`: the same with deferred accepts (async scheduling): accept() only records the
   token, and the fill first advances every grammar in one batched backend call (the fill's
-  time then holds the accepts).
+  time then holds the accepts);
+- `process`: the grammars in the grammar process (as on a GPU host): the engine thread's own
+  time, apart from the process's work that overlaps the forward: sending the step's message
+  (`fill_async`), then, after `--forward-ms` standing for the forward, taking the answer, and
+  recording the step's tokens (`accept_many`). Both sides poll for `--spin-ms` before they
+  block, sleeping `--poll-us` between polls.
 The tokenizer is the default model's (49,152 tokens: a word tokenizer cannot spell JSON), as in
 the H200 structured benchmark, whose model is Qwen3-0.6B.
 """
@@ -56,11 +61,20 @@ def _requests(ns: argparse.Namespace, eos: int):
 
 
 def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bool,
-                deferred: bool = False) -> dict:
+                deferred: bool = False, process: bool = False) -> dict:
+    import functools
+
     import numpy as np
+
+    from ember.default_model import default_model_path
+    from ember.tokenizer import load_tokenizer
 
     manager = _manager(backend, tokenizer, ns.vocab_size, model_width)
     manager.defer_accepts = deferred
+    if process:  # the process loads the tokenizer itself
+        manager._load_tokenizer = functools.partial(load_tokenizer,
+                                                    ns.tokenizer or default_model_path())
+        manager.use_process(3, None, ns.spin_ms / 1e3, ns.poll_us / 1e6)
     requests = _requests(ns, tokenizer.eos_token_id)
     start = time.perf_counter()
     for request in requests:
@@ -72,12 +86,24 @@ def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bo
     rng = np.random.default_rng(ns.seed)
     ntok = len(tokenizer)
     live, fill_s, accept_s, steps, tokens = list(requests), 0.0, 0.0, 0, 0
+    send_s = answer_s = 0.0
     bar = tqdm(total=len(requests), desc=f"{backend} {'model' if model_width else 'tokenizer'}"
                "-width", leave=False)
     while live:
         t0 = time.perf_counter()
-        grammar = manager.fill(live)
-        t1 = time.perf_counter()
+        if process:  # the engine thread's part only: the process works during the "forward"
+            pending = manager.fill_async(live)
+            sent = time.perf_counter()
+            time.sleep(ns.forward_ms / 1e3)
+            asked = time.perf_counter()
+            grammar = pending.result()
+            t1 = time.perf_counter()
+            send_s += sent - t0
+            answer_s += t1 - asked
+            t0 = asked - (sent - t0)  # fill_s: the engine thread's time
+        else:
+            grammar = manager.fill(live)
+            t1 = time.perf_counter()
         ended = {r.request_id for r, _ in manager.take_finished()}  # deferred: complete
         if ended:
             bar.update(len(ended))
@@ -107,13 +133,19 @@ def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bo
     manager.shutdown()
     texts = [tokenizer.decode(r.output_token_ids, skip_special_tokens=True) for r in requests]
     valid = sum(is_json(t) for t in texts)
-    return {"backend": backend, "width": "model" if model_width else "tokenizer",
-            "accepts": "deferred to the fill" if deferred else "a call a step",
+    result = {
+            "backend": backend, "width": "model" if model_width else "tokenizer",
+            "accepts": ("sent to the grammar process" if process else
+                        "deferred to the fill" if deferred else "a call a step"),
             "bitmask_words": (manager.vocab_size + 31) // 32, "grammars_built_s": build_s,
             "steps": steps, "tokens": tokens, "outputs_valid_json": valid,
             "accept_us_per_token": 1e6 * accept_s / tokens,
             "accept_ms_per_step": 1e3 * accept_s / steps, "fill_ms_per_step": 1e3 * fill_s / steps,
             "host_ms_per_step": 1e3 * (accept_s + fill_s) / steps}
+    if process:
+        result.update(send_ms_per_step=1e3 * send_s / steps,
+                      answer_ms_per_step=1e3 * answer_s / steps, forward_ms=ns.forward_ms)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,9 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--backends", nargs="+", default=["xgrammar", "guidance"])
     parser.add_argument("--variants", nargs="+", default=["model", "tokenizer"],
-                        choices=["model", "tokenizer", "deferred"],
+                        choices=["model", "tokenizer", "deferred", "process"],
                         help="deferred: tokenizer width, the grammars advanced by the fill (one "
-                             "batched call, as under async scheduling)")
+                             "batched call, as under async scheduling); process: the grammars "
+                             "in the grammar process")
+    parser.add_argument("--forward-ms", type=float, default=3.0,
+                        help="process: the time the engine thread gives the process per step")
+    parser.add_argument("--spin-ms", type=float, default=5.0)
+    parser.add_argument("--poll-us", type=float, default=0.0)
     parser.add_argument("--tokenizer", default=None,
                         help="a tokenizer directory (default: the default model's tokenizer)")
     parser.add_argument("--seed", type=int, default=0)
@@ -138,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     from ember.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(ns.tokenizer or default_model_path())
-    results = [run_variant(ns, tokenizer, backend, variant == "model", variant == "deferred")
+    results = [run_variant(ns, tokenizer, backend, variant == "model", variant == "deferred",
+                           variant == "process")
                for backend in ns.backends for variant in ns.variants]
     out = {"commit": git_commit(), "tokenizer": ns.tokenizer or "default model's",
            "requests": ns.num_requests, "model_vocab": ns.vocab_size,
