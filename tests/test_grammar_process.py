@@ -291,3 +291,23 @@ def test_the_process_side_keeps_each_grammars_state():
     gated._fill_rows([2], bitmask[:1])
     after_first = allowed(bitmask[0])
     assert (yes[1] if len(yes) > 1 else eos) in after_first and 11 not in after_first
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_the_process_draws_the_same_tokens_as_the_helper_thread(backend):
+    """ember.bench.grammar_host's process variant against its deferred one: tokens drawn from
+    each step's masks with one seed, so equal masks give equal outputs (and equal counts)."""
+    import argparse
+
+    from ember.bench.grammar_host import run_variant
+    from ember.default_model import default_model_path
+    from ember.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    ns = argparse.Namespace(num_requests=12, max_tokens=40, vocab_size=len(tokenizer), seed=1,
+                            tokenizer=None, forward_ms=0.5, spin_ms=1.0, poll_us=50.0)
+    deferred = run_variant(ns, tokenizer, backend, False, deferred=True)
+    process = run_variant(ns, tokenizer, backend, False, process=True)
+    for key in ("steps", "tokens", "outputs_valid_json"):
+        assert process[key] == deferred[key], key
+    assert process["outputs_valid_json"] > 0
