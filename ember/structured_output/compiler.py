@@ -93,8 +93,8 @@ class Advances:
     """A step's tokens for the grammars that have not seen them, grouped for the backends:
     `single[name]` = (rows, grammars, tokens) of backend `name`'s rows that take one token (the
     usual case: one backend call for them), `replays` = (row, grammar, tokens) of the rows
-    behind by more (replayed token by token). A grammar is whatever the holder uses for one
-    (a matcher, or the grammar process's key)."""
+    behind by more (replayed token by token). The rows are the caller's numbers (bitmask rows on
+    the engine's helper thread, positions in the step's message in the grammar process)."""
 
     __slots__ = ("single", "replays")
 
