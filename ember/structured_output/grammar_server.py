@@ -76,7 +76,7 @@ class _GrammarServer:
         self.gate_state: dict[int, str] = {}
         self.building: set[int] = set()
         self.freed_while_building: set[int] = set()
-        self.lock = threading.Lock()  # the pipe's sends, and the three collections above
+        self.lock = threading.Lock()  # the pipe's sends, and the collections above (builds)
         workers = max(1, min(4, (os.cpu_count() or 2) - 1))
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="ember-grammar")
         self.buffers: dict[int, Any] = {}  # slot -> flat int32 tensor over the shared file
