@@ -57,7 +57,7 @@ def test_the_process_gives_the_threads_tokens(monkeypatch, async_scheduling):
     manager = llm.llm_engine.engine_core.structured_output
     assert manager.uses_process and manager.defer_accepts
     if async_scheduling:  # both sides poll before they block, as on a GPU host
-        manager._process_args.update(spin_seconds=0.002, poll_interval=0.0001)
+        manager._process_args["spin_seconds"] = 0.002
     assert _token_ids(llm) == expected
     outs = llm.generate(PROMPTS[:1], _params()[:1], use_tqdm=False)
     json.loads(outs[0].outputs[0].text)
@@ -305,7 +305,7 @@ def test_the_process_draws_the_same_tokens_as_the_helper_thread(backend):
 
     tokenizer = load_tokenizer(default_model_path())
     ns = argparse.Namespace(num_requests=12, max_tokens=40, vocab_size=len(tokenizer), seed=1,
-                            tokenizer=None, forward_ms=0.5, spin_ms=1.0, poll_us=50.0)
+                            tokenizer=None, forward_ms=0.5, spin_ms=1.0)
     deferred = run_variant(ns, tokenizer, backend, False, deferred=True)
     process = run_variant(ns, tokenizer, backend, False, process=True)
     for key in ("steps", "tokens", "outputs_valid_json"):

@@ -19,7 +19,7 @@ Variants, side by side in one run, per backend:
   time, apart from the process's work that overlaps the forward: sending the step's message
   (`fill_async`), then, after `--forward-ms` standing for the forward, taking the answer, and
   recording the step's tokens (`accept_many`). Both sides poll for `--spin-ms` before they
-  block, sleeping `--poll-us` between polls.
+  block.
 The tokenizer is the default model's (49,152 tokens: a word tokenizer cannot spell JSON), as in
 the H200 structured benchmark, whose model is Qwen3-0.6B.
 """
@@ -74,7 +74,7 @@ def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bo
     if process:  # the process loads the tokenizer itself
         manager._load_tokenizer = functools.partial(load_tokenizer,
                                                     ns.tokenizer or default_model_path())
-        manager.use_process(3, None, ns.spin_ms / 1e3, ns.poll_us / 1e6)
+        manager.use_process(3, None, ns.spin_ms / 1e3)
     requests = _requests(ns, tokenizer.eos_token_id)
     start = time.perf_counter()
     for request in requests:
@@ -163,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forward-ms", type=float, default=3.0,
                         help="process: the time the engine thread gives the process per step")
     parser.add_argument("--spin-ms", type=float, default=5.0)
-    parser.add_argument("--poll-us", type=float, default=0.0)
     parser.add_argument("--tokenizer", default=None,
                         help="a tokenizer directory (default: the default model's tokenizer)")
     parser.add_argument("--seed", type=int, default=0)

@@ -104,7 +104,7 @@ class GrammarProcess:
     def __init__(self, config: StructuredOutputsConfig, load_tokenizer: Callable[[], Any],
                  vocab_size: int, eos_width: int, buffers: int,
                  pin: Callable[[Any], Callable[[], None] | None] | None = None,
-                 spin_seconds: float = 0.0, poll_interval: float = 0.0) -> None:
+                 spin_seconds: float = 0.0) -> None:
         from multiprocessing.connection import Connection
 
         from ember.registry import snapshot
@@ -123,13 +123,10 @@ class GrammarProcess:
         self._conn = Connection(ours.detach())
         level = logging.getLevelName(logger.getEffectiveLevel())
         self._conn.send((snapshot(), config, load_tokenizer, vocab_size, eos_width, level,
-                         spin_seconds, poll_interval))
+                         spin_seconds))
         # Waiting for a message, each side polls the pipe for up to this long before it
-        # blocks (on a GPU host a thread blocked in read took 0.2-0.8 ms to wake for one),
-        # sleeping `poll_interval` between polls (0: a busy loop, which may slow the thread on
-        # the same core's other hardware thread).
+        # blocks: on a GPU host a thread blocked in read took 0.2-0.8 ms to wake for one.
         self._spin_seconds = spin_seconds
-        self._poll_interval = poll_interval
         atexit.register(self.close)
         self._pin = pin
         self._send_lock = threading.Lock()
@@ -236,12 +233,9 @@ class GrammarProcess:
         if self._spin_seconds <= 0:
             return
         conn, deadline = self._conn, time.perf_counter() + self._spin_seconds
-        interval = self._poll_interval
         while not done() and time.perf_counter() < deadline:
             if conn.poll(0):
                 self._dispatch(self._recv())
-            elif interval:
-                time.sleep(interval)
 
     def _send(self, message: tuple) -> None:
         try:

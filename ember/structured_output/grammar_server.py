@@ -43,7 +43,7 @@ def run_grammar_process(fd: int) -> None:
     conn = Connection(fd)
     try:
         (registry_snapshot, config, load_tokenizer, vocab_size, eos_width, level,
-         spin_seconds, poll_interval) = conn.recv()
+         spin_seconds) = conn.recv()
     except (EOFError, OSError):
         return
     logging.basicConfig(level=level, format="%(levelname)s ember-grammar: %(message)s")
@@ -52,19 +52,17 @@ def run_grammar_process(fd: int) -> None:
     restore(registry_snapshot)
     if spin_seconds > 0:  # the polling main thread hands the GIL to the build pool often
         sys.setswitchinterval(0.0002)
-    _GrammarServer(conn, config, load_tokenizer, vocab_size, eos_width, spin_seconds,
-                   poll_interval).serve()
+    _GrammarServer(conn, config, load_tokenizer, vocab_size, eos_width, spin_seconds).serve()
 
 
 class _GrammarServer:
     def __init__(self, conn: Any, config: StructuredOutputsConfig,
                  load_tokenizer: Callable[[], Any], vocab_size: int, eos_width: int,
-                 spin_seconds: float = 0.0, poll_interval: float = 0.0) -> None:
+                 spin_seconds: float = 0.0) -> None:
         from ember.structured_output.compiler import GrammarCompiler
 
         self.conn = conn
         self.spin_seconds = spin_seconds  # polling before blocking, after each message
-        self.poll_interval = poll_interval  # sleeping between polls (0: a busy loop)
         self.compiler = GrammarCompiler(config, load_tokenizer, vocab_size, eos_width)
         self.grammars: dict[int, Any] = {}
         self.backend_of: dict[int, str] = {}
@@ -89,8 +87,7 @@ class _GrammarServer:
                 if self.spin_seconds > 0:  # the next step's message comes within a few ms
                     deadline = time.perf_counter() + self.spin_seconds
                     while not self.conn.poll(0) and time.perf_counter() < deadline:
-                        if self.poll_interval:
-                            time.sleep(self.poll_interval)
+                        pass
                 try:
                     message = self.conn.recv()
                 except (EOFError, OSError):

@@ -142,16 +142,14 @@ class StructuredOutputManager(BitmaskFilling):
 
     def use_process(self, count: int,
                     pin: Callable[[Any], Callable[[], None] | None] | None = None,
-                    spin_seconds: float = 0.0, poll_interval: float = 0.0) -> None:
+                    spin_seconds: float = 0.0) -> None:
         """Keep the grammars in a process of their own (started with the first grammar),
         filling ``count`` shared host buffers in turn (reused as use_host_buffers' are),
         each page-locked here by ``pin`` (a platform's pin_host_memory); each side polls for
-        up to ``spin_seconds`` (sleeping ``poll_interval`` between polls) before it blocks on
-        the other. Accepts are deferred from then on: accept_many only records each
-        grammar's key and token, and the next fill sends them; the process keeps the
-        grammars' state (reasoning gate included)."""
-        self._process_args = {"buffers": count, "pin": pin, "spin_seconds": spin_seconds,
-                              "poll_interval": poll_interval}
+        up to ``spin_seconds`` before it blocks on the other. Accepts are deferred from then
+        on: accept_many only records each grammar's key and token, and the next fill sends
+        them; the process keeps the grammars' state (reasoning gate included)."""
+        self._process_args = {"buffers": count, "pin": pin, "spin_seconds": spin_seconds}
         self._host_buffers = [None] * count
         self._host_next = 0
         self.defer_accepts = True
