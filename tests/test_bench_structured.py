@@ -16,7 +16,8 @@ def _bench(args: list[str], out, **env: str) -> dict:
 
 def test_structured_reports_each_rounds_collector_pauses_and_phases(tmp_path):
     data = _bench(["ember.bench.structured", "--num-prompts", "6", "--max-tokens", "24",
-                   "--repeats", "2", "--compact"], tmp_path / "s.json", EMBER_STEP_TIMING="1")
+                   "--repeats", "2", "--compact", "--function-times"], tmp_path / "s.json",
+                  EMBER_STEP_TIMING="1")
     assert data["outputs_valid_json"] >= 1 and len(data["rounds"]) == 2
     for round_ in data["rounds"]:
         for run in ("constrained", "unconstrained"):
@@ -30,6 +31,17 @@ def test_structured_reports_each_rounds_collector_pauses_and_phases(tmp_path):
             assert sum(phases.values()) <= 1000 * round_[f"{run}_s"] + 0.1 * len(phases)
             assert totals["outside the steps"] >= -0.1 * len(phases)
     assert "totals_ms" not in data["step_ms"]["constrained"]
+    # Host time per call of the engine thread's functions, each kind of round apart: each
+    # timed round steps once or more, and only the constrained ones fill bitmasks.
+    times = data["function_times"]
+    for run in ("constrained", "unconstrained"):
+        step = times[run]["ember.core.engine_core:EngineCore.step"]
+        assert step["calls"] >= 2 and step["us_per_call"] > 0
+        assert step["total_ms"] <= 1000 * sum(r[f"{run}_s"] for r in data["rounds"])
+    assert times["constrained"]["ember.structured_output.bitmask_fill:BitmaskFilling."
+                                "sampling_rows"]["calls"] > 0
+    assert "ember.structured_output.bitmask_fill:BitmaskFilling.fill_async" not in times[
+        "unconstrained"]
 
 
 def test_gc_pause_compares_frozen_and_not_in_both_processes(tmp_path):

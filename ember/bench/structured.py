@@ -121,12 +121,23 @@ def run(ns: argparse.Namespace) -> dict:
     # out of the collector's full walks (ember.gc_heap; EMBER_GC_FREEZE=0 leaves them in).
     freeze_process_heap("benchmark")
 
+    function_times = None
+    if ns.function_times:
+        from ember.bench.function_times import ENGINE_STEP_FUNCTIONS, FunctionTimes
+
+        function_times = FunctionTimes(ENGINE_STEP_FUNCTIONS).__enter__()
+
     def timed(params: list) -> tuple[float, dict | None, list]:
         timer = _reset_timer(llm)
+        if function_times is not None:
+            function_times.label = ("unconstrained" if params[0].structured_outputs is None
+                                    else "constrained")
         with _CollectorPauses() as pauses:
             start = time.perf_counter()
             run_outs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
+        if function_times is not None:
+            function_times.label = None
         assert [len(o.outputs[0].token_ids) for o in run_outs] == counts
         return seconds, _timing(timer, seconds, pauses), run_outs
 
@@ -169,6 +180,9 @@ def run(ns: argparse.Namespace) -> dict:
     if manager is not None:
         result["constrained_deferred_accepts_tok_s"] = tokens / statistics.median(
             r["constrained_deferred_accepts_s"] for r in rounds)
+    if function_times is not None:  # host time per call of the engine thread's functions
+        function_times.__exit__()
+        result["function_times"] = function_times.summary()
     if constrained_timing is not None:  # EMBER_STEP_TIMING=1: ms per step, the last round
         result["step_ms"] = {"constrained": constrained_timing, "unconstrained": plain_timing}
         if manager is not None:
@@ -265,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="each round also runs the constrained requests with deferred "
                              "accepts (EMBER_GRAMMAR_DEFERRED_ACCEPTS: the grammars advanced "
                              "on the bitmask helper thread, one batched call)")
+    parser.add_argument("--function-times", action="store_true",
+                        help="also report the host time per call of the engine thread's "
+                             "functions (ember.bench.function_times), each kind of round apart")
     parser.add_argument("--out", default=None)
     ns = parser.parse_args(argv)
     result = run(ns)
