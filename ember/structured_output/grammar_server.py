@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import pickle
 import sys
 import threading
 import time
@@ -29,6 +30,12 @@ from ember.structured_output.interface import GrammarSpec
 from ember.structured_output.reasoning_gate import ANSWER, REASONING, UNDECIDED
 
 logger = logging.getLogger("ember")
+
+# A step's fill comes as one little-endian int64 array whose first element is this (its first
+# byte is not a pickle's): magic, seq, slot, buffer numel, rows, words, then the counts of the
+# freed keys, the accepts and the rows, then the freed keys, the accepts' keys, their tokens
+# and each row's key. Anything else on the pipe is pickled.
+FILL_MAGIC = int.from_bytes(b"EMBFILL\0", "little")
 
 
 def run_grammar_process(fd: int) -> None:
@@ -89,10 +96,14 @@ class _GrammarServer:
                     while not self.conn.poll(0) and time.perf_counter() < deadline:
                         pass
                 try:
-                    message = self.conn.recv()
+                    data = self.conn.recv_bytes()
                 except (EOFError, OSError):
                     return  # the engine is gone
                 self.received = time.perf_counter()
+                if data[:8] == _FILL_MAGIC_BYTES:
+                    self._fill_message(data)
+                    continue
+                message = pickle.loads(data)
                 kind = message[0]
                 if kind == "stop":
                     return
@@ -106,6 +117,17 @@ class _GrammarServer:
                     self._fill(*message[2:])
         finally:
             self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _fill_message(self, data: bytes) -> None:
+        import numpy as np
+
+        words = np.frombuffer(data, "<i8")
+        _, seq, slot, numel, rows, width, n_free, n_accepts, n_rows = words[:9].tolist()
+        at = 9 + n_free
+        self._free(words[9:at].tolist())
+        self._fill(seq, words[at:at + n_accepts], words[at + n_accepts:at + 2 * n_accepts],
+                   words[at + 2 * n_accepts:at + 2 * n_accepts + n_rows], slot, None, numel,
+                   (rows, width))
 
     def _send(self, message: tuple) -> None:
         with self.lock:
@@ -244,6 +266,9 @@ class _GrammarServer:
             word, bit = divmod(self.gate.start_id, 32)
             bitmask.numpy()[undecided, word] |= np.array(1 << bit, dtype=np.int64).astype(
                 np.int32)
+
+
+_FILL_MAGIC_BYTES = FILL_MAGIC.to_bytes(8, "little")
 
 
 def _map_shared(path: str, numel: int) -> Any:
