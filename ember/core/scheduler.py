@@ -85,8 +85,10 @@ class Scheduler:
     def _admit_compiled(self) -> None:
         """Move requests whose grammar is built into the waiting queue (in arrival order)."""
         still = []
+        structured = self.structured_output
+        structured.take_builds()  # once a pass, not once a request (a pipe poll each)
         for request in self.compiling:
-            if not self.structured_output.ready(request):
+            if not structured.ready(request, poll=False):
                 still.append(request)
             elif request.structured_output.error is not None:
                 request.status = RequestStatus.FINISHED_ABORTED

@@ -214,13 +214,20 @@ class StructuredOutputManager(BitmaskFilling):
                 self._gate = ReasoningGate(self.config.reasoning_parser, tokenizer())
         so.state = self._gate.initial_state(prompt_token_ids)
 
-    def ready(self, request: Request) -> bool:
-        """Whether the grammar is built (or failed: then `error` is set)."""
+    def take_builds(self) -> None:
+        """Take the builds the grammar process has answered since (all of them, at once): a
+        caller asking `ready` of many requests calls this first, then ready(poll=False)."""
+        if self._process is not None:
+            self._process.pump()
+
+    def ready(self, request: Request, poll: bool = True) -> bool:
+        """Whether the grammar is built (or failed: then `error` is set); ``poll`` first takes
+        the builds answered since (take_builds)."""
         so = request.structured_output
         if so.grammar is not None or so.error is not None:
             return True
-        if self._process is not None:
-            self._process.pump()  # builds answered since
+        if poll and not so.future.done():
+            self.take_builds()
         if not so.future.done():
             return False
         try:
