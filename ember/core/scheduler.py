@@ -321,6 +321,11 @@ class Scheduler:
         now = time.time()
         touched: list[Request] = []
         constrained: list[tuple[Request, int]] = []  # requests whose grammar takes the token
+        # With a grammar process the tokens are only recorded (sent with the next fill): no
+        # request ends by its grammar here, so the stop checks need not wait for the accepts.
+        recorded: list[tuple[Request, int]] = []
+        records_only = self.structured_output is not None and \
+            self.structured_output.uses_process
         sampled, max_model_len = result.sampled_token_ids, self.max_model_len
         in_flight = self.in_flight_ids
         for request in out.scheduled_requests:
@@ -341,12 +346,17 @@ class Scheduler:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-            if request.structured_output is not None:
+            if request.structured_output is not None and not records_only:
                 constrained.append((request, token))  # ended after the step's grammar advance
-            elif request.check_stop(max_model_len):
-                self._remove(request)
-                self._free(request)
+            else:
+                if request.structured_output is not None:
+                    recorded.append((request, token))
+                if request.check_stop(max_model_len):
+                    self._remove(request)
+                    self._free(request)
             touched.append(request)
+        if recorded:
+            self.structured_output.accept_many(recorded)
         if constrained:
             ended = {id(r) for r in self.structured_output.accept_many(constrained)}
             for request, _ in constrained:
