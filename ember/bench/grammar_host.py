@@ -97,13 +97,11 @@ def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bo
             time.sleep(ns.forward_ms / 1e3)
             asked = time.perf_counter()
             grammar = pending.result()
-            t1 = time.perf_counter()
             send_s += sent - t0
-            answer_s += t1 - asked
-            t0 = asked - (sent - t0)  # fill_s: the engine thread's time
+            answer_s += time.perf_counter() - asked
         else:
             grammar = manager.fill(live)
-            t1 = time.perf_counter()
+            fill_s += time.perf_counter() - t0
         ended = {r.request_id for r, _ in manager.take_finished()}  # deferred: complete
         if ended:
             bar.update(len(ended))
@@ -123,7 +121,6 @@ def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bo
         still = [r for r in live
                  if id(r) not in finished and len(r.output_token_ids) < ns.max_tokens]
         t3 = time.perf_counter()
-        fill_s += t1 - t0
         accept_s += t3 - t2
         steps += 1
         tokens += len(live)
@@ -131,6 +128,7 @@ def run_variant(ns: argparse.Namespace, tokenizer, backend: str, model_width: bo
         live = still
     bar.close()
     manager.shutdown()
+    fill_s += send_s + answer_s  # the process variant's: the engine thread's own time
     texts = [tokenizer.decode(r.output_token_ids, skip_special_tokens=True) for r in requests]
     valid = sum(is_json(t) for t in texts)
     result = {

@@ -217,13 +217,9 @@ class BitmaskFilling:
 
     def _finish_bitmask(self, constrained: list[Request], undecided: list[int],
                         bitmask: Any) -> GrammarBitmask:
-        import numpy as np
 
         if undecided:  # the first token may also open a reasoning block
-            start_id = self._gate.start_id  # type: ignore[union-attr]
-            word, bit = divmod(start_id, 32)
-            bitmask.numpy()[undecided, word] |= np.array(1 << bit, dtype=np.int64).astype(
-                np.int32)
+            self._gate.allow_start(bitmask.numpy(), undecided)  # type: ignore[union-attr]
         return GrammarBitmask([r.request_id for r in constrained], bitmask)
 
     def _fill_in_process(self, requests: list[Request], slot: int | None) -> PendingProcessFill:

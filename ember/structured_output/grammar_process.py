@@ -202,33 +202,25 @@ class GrammarProcess:
         with self._send_lock:
             seq, self._next_seq = self._next_seq, self._next_seq + 1
             self._sent_at[seq] = time.perf_counter()
-            free = self._take_free()
-            if path is not None:  # a new buffer, named once: the rare, pickled form
+            if path is not None:  # a new buffer: the process maps it first
                 self._unlink_after[seq] = buffer
-                self._send(("fill", free, seq, np.array(keys, np.int64),
-                            np.array(tokens, np.int64), self._row_keys(rows), slot, path,
-                            buffer.numel, shape))
-            else:  # one int64 array, no pickling (grammar_server.FILL_MAGIC)
-                n_free, n_accepts, n_rows = len(free), len(keys), len(rows)
-                message = np.empty(9 + n_free + 2 * n_accepts + n_rows, "<i8")
-                message[:9] = (FILL_MAGIC, seq, slot, buffer.numel, shape[0], shape[1], n_free,
-                               n_accepts, n_rows)
-                at = 9 + n_free
-                message[9:at] = free
-                message[at:at + n_accepts] = keys
-                message[at + n_accepts:at + 2 * n_accepts] = tokens
-                message[at + 2 * n_accepts:] = self._row_keys(rows)
-                try:
-                    self._conn.send_bytes(message)
-                except OSError as exc:
-                    raise self._exited() from exc
+                self._send(("map", [], slot, path, buffer.numel))
+            # One int64 array sent as it is (grammar_server.FILL_MAGIC).
+            free = self._take_free()
+            n_free, n_accepts, n_rows = len(free), len(keys), len(rows)
+            message = np.empty(8 + n_free + 2 * n_accepts + n_rows, "<i8")
+            message[:8] = (FILL_MAGIC, seq, slot, shape[0], shape[1], n_free, n_accepts, n_rows)
+            at = 8 + n_free
+            message[8:at] = free
+            message[at:at + n_accepts] = keys
+            message[at + n_accepts:at + 2 * n_accepts] = tokens
+            message[at + 2 * n_accepts:] = np.fromiter(
+                (r.structured_output.grammar.key for r in rows), np.int64, n_rows)
+            try:
+                self._conn.send_bytes(message)
+            except OSError as exc:
+                raise self._exited() from exc
         return seq, buffer.tensor[:numel].view(shape)
-
-    @staticmethod
-    def _row_keys(rows: list[Any]) -> Any:
-        import numpy as np
-
-        return np.fromiter((r.structured_output.grammar.key for r in rows), np.int64, len(rows))
 
     # ---- answers -----------------------------------------------------------------------
     def pump(self, timeout: float = 0.0) -> None:

@@ -32,9 +32,9 @@ from ember.structured_output.reasoning_gate import ANSWER, REASONING, UNDECIDED
 logger = logging.getLogger("ember")
 
 # A step's fill comes as one little-endian int64 array whose first element is this (its first
-# byte is not a pickle's): magic, seq, slot, buffer numel, rows, words, then the counts of the
-# freed keys, the accepts and the rows, then the freed keys, the accepts' keys, their tokens
-# and each row's key. Anything else on the pipe is pickled.
+# byte is not a pickle's): magic, seq, slot, rows, words, then the counts of the freed keys, the
+# accepts and the rows, then the freed keys, the accepts' keys, their tokens and each row's key.
+# Anything else on the pipe is pickled (a new buffer's "map" comes before its first fill).
 FILL_MAGIC = int.from_bytes(b"EMBFILL\0", "little")
 
 
@@ -113,8 +113,9 @@ class _GrammarServer:
                         self.building.update(key for key, *_ in message[2])
                     for key, backend, spec, stop_ids, prompt in message[2]:
                         self.pool.submit(self._build, key, backend, spec, stop_ids, prompt)
-                elif kind == "fill":
-                    self._fill(*message[2:])
+                elif kind == "map":
+                    _, _, slot, path, numel = message
+                    self.buffers[slot] = _map_shared(path, numel)
         finally:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -122,11 +123,12 @@ class _GrammarServer:
         import numpy as np
 
         words = np.frombuffer(data, "<i8")
-        _, seq, slot, numel, rows, width, n_free, n_accepts, n_rows = words[:9].tolist()
-        at = 9 + n_free
-        self._free(words[9:at].tolist())
-        self._fill(seq, words[at:at + n_accepts], words[at + n_accepts:at + 2 * n_accepts],
-                   words[at + 2 * n_accepts:at + 2 * n_accepts + n_rows], slot, None, numel,
+        _, seq, slot, rows, width, n_free, n_accepts, n_rows = words[:8].tolist()
+        at = 8 + n_free
+        self._free(words[8:at].tolist())
+        self._fill(seq, words[at:at + n_accepts].tolist(),
+                   words[at + n_accepts:at + 2 * n_accepts].tolist(),
+                   words[at + 2 * n_accepts:at + 2 * n_accepts + n_rows].tolist(), slot,
                    (rows, width))
 
     def _send(self, message: tuple) -> None:
@@ -179,16 +181,14 @@ class _GrammarServer:
                                           self.compiler.tokenizer)
             return self.gate
 
-    def _fill(self, seq: int, accept_keys: Any, accept_tokens: Any, fill_keys: Any, slot: int,
-              path: str | None, numel: int, shape: tuple[int, int]) -> None:
+    def _fill(self, seq: int, accept_keys: list[int], accept_tokens: list[int],
+              fill_keys: list[int], slot: int, shape: tuple[int, int]) -> None:
         try:
-            if path is not None:
-                self.buffers[slot] = _map_shared(path, numel)
-            outcomes = self._accept(accept_keys.tolist(), accept_tokens.tolist())
+            outcomes = self._accept(accept_keys, accept_tokens)
             advanced = time.perf_counter()
             bitmask = self.buffers[slot][:shape[0] * shape[1]].view(shape)
             start = time.perf_counter()
-            self._fill_rows(fill_keys.tolist(), bitmask)
+            self._fill_rows(fill_keys, bitmask)
             end = time.perf_counter()
             with self.lock:
                 times = (self.received, advanced, start, end, time.perf_counter())
@@ -221,13 +221,13 @@ class _GrammarServer:
             if gate_state:
                 state = gate_state.get(key)
                 if state is not None:  # reasoning (or its first token): the gate moves on
-                    after = self.gate.next_state(state, token)
+                    after, takes = self.gate.advance(state, token)
                     if after == ANSWER:
                         del gate_state[key]
                     else:
                         gate_state[key] = after
-                    if after != ANSWER or state != UNDECIDED:
-                        continue  # the end tag, or still reasoning: not the grammar's
+                    if not takes:
+                        continue
             if key in in_batch:  # a second token for one grammar: the first batch goes first
                 advance()
             in_batch.add(key)
@@ -239,8 +239,6 @@ class _GrammarServer:
     def _fill_rows(self, keys: list[int], bitmask: Any) -> None:
         """Row i of `bitmask` from key i's grammar; rows of keys without one (freed, ended,
         reasoning) allow every token, and an undecided row also the reasoning start tag."""
-        import numpy as np
-
         from ember.structured_output.compiler import fill_grammar_rows
 
         grammars, ended, gate_state = self.grammars, self.ended, self.gate_state
@@ -263,9 +261,7 @@ class _GrammarServer:
             entry[1].append(row)
         fill_grammar_rows(self.compiler.backends, by_backend, bitmask)
         if undecided:
-            word, bit = divmod(self.gate.start_id, 32)
-            bitmask.numpy()[undecided, word] |= np.array(1 << bit, dtype=np.int64).astype(
-                np.int32)
+            self.gate.allow_start(bitmask.numpy(), undecided)
 
 
 _FILL_MAGIC_BYTES = FILL_MAGIC.to_bytes(8, "little")

@@ -43,7 +43,7 @@ from ember.structured_output.compiler import GrammarCompiler
 from ember.structured_output.config import StructuredOutputsConfig
 from ember.structured_output.grammar_process import GrammarBuildError
 from ember.structured_output.interface import Grammar, GrammarSpec
-from ember.structured_output.reasoning_gate import ANSWER, UNDECIDED, ReasoningGate
+from ember.structured_output.reasoning_gate import ANSWER, ReasoningGate
 from ember.structured_output.switch_interval import ShortSwitchInterval
 from ember.structured_output.validation import select_backend
 
@@ -292,13 +292,13 @@ class StructuredOutputManager(BitmaskFilling):
         """Whether the grammar is to advance by ``token`` now: not while the output is still
         reasoning (the reasoning gate moves on instead), nor under deferred accepts."""
         so = request.structured_output
-        if so.state != ANSWER:  # reasoning (or its first token): the grammar waits
-            was, so.state = so.state, self._gate.next_state(so.state, token)  # type: ignore[union-attr]
-            if so.state != ANSWER:
+        if so.state != ANSWER:  # reasoning (or its first token): the gate moves on
+            was = so.state
+            so.state, takes = self._gate.advance(was, token)  # type: ignore[union-attr]
+            if so.state == ANSWER:  # the answer starts here (its first token) or next
+                so.start = len(request.output_token_ids) - (1 if takes else 0)
+            if not takes:
                 return False
-            so.start = len(request.output_token_ids) - (1 if was == UNDECIDED else 0)
-            if was != UNDECIDED:
-                return False  # the end tag: the answer starts with the next token
         return not self.defer_accepts  # else the next fill advances the grammar (see __init__)
 
     def take_finished(self) -> list[tuple[Request, RequestStatus]]:

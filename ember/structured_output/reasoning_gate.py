@@ -50,6 +50,23 @@ class ReasoningGate:
                 return REASONING
         return REASONING if self.starts_in_reasoning else UNDECIDED
 
+    def advance(self, state: str, token: int) -> tuple[str, bool]:
+        """(the state after `token` was sampled in `state`, whether the grammar takes it): in
+        ANSWER it does; the end tag does not, nor a token while reasoning; in UNDECIDED a token
+        other than the start tag is the answer's first, so the grammar takes it."""
+        if state == ANSWER:
+            return state, True
+        after = self.next_state(state, token)
+        return after, after == ANSWER and state == UNDECIDED
+
+    def allow_start(self, bitmask: Any, rows: list[int]) -> None:
+        """Also allow the start tag in `rows` of an int32 bitmask array (undecided rows: the
+        first token may open a reasoning block)."""
+        import numpy as np
+
+        word, bit = divmod(self.start_id, 32)
+        bitmask[rows, word] |= np.array(1 << bit, dtype=np.int64).astype(np.int32)
+
     def next_state(self, state: str, token: int) -> str:
         """The state after `token` was sampled in `state` (in UNDECIDED, a token other than the
         start tag is the answer's first token)."""
