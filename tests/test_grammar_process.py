@@ -15,6 +15,7 @@ from conftest import assert_all_blocks_free
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.structured_output.interface import StructuredOutputBackend
+from ember.structured_output.xgrammar_backend import XgrammarBackend
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b"]},
@@ -87,6 +88,18 @@ class FailingBackend(StructuredOutputBackend):
 
     def new_grammar(self, compiled, stop_token_ids):
         raise AssertionError("never built")
+
+
+class SecondBuildFailsBackend(XgrammarBackend):
+    """xgrammar whose second matcher fails to build (module level: the process imports it)."""
+
+    builds = 0
+
+    def new_grammar(self, compiled, stop_token_ids):
+        type(self).builds += 1
+        if type(self).builds > 1:
+            raise RuntimeError("no second matcher here")
+        return super().new_grammar(compiled, stop_token_ids)
 
 
 def test_a_build_error_in_the_process_ends_its_request_only(monkeypatch):
@@ -311,3 +324,107 @@ def test_the_process_draws_the_same_tokens_as_the_helper_thread(backend):
     for key in ("steps", "tokens", "outputs_valid_json"):
         assert process[key] == deferred[key], key
     assert process["outputs_valid_json"] > 0
+
+
+def test_a_step_naming_a_key_still_building_waits_for_its_build():
+    """The engine schedules a request at once when its grammar was built before, so a fill can
+    reach the process while its build still runs there: the fill waits for it (its row is the
+    grammar's, not one that allows every token)."""
+    import functools
+    import threading
+    import time
+
+    import numpy as np
+    import torch
+
+    from ember.default_model import default_model_path
+    from ember.structured_output.config import StructuredOutputsConfig
+    from ember.structured_output.grammar_server import _GrammarServer
+    from ember.structured_output.interface import GrammarSpec
+    from ember.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    eos = tokenizer.eos_token_id
+    sent = []
+
+    class Pipe:
+        send = staticmethod(sent.append)
+
+    server = _GrammarServer(Pipe(), StructuredOutputsConfig.of({"backend": "xgrammar"}),
+                            functools.partial(load_tokenizer, default_model_path()),
+                            len(tokenizer), eos + 1)
+    server.pool.shutdown()
+    words = (len(tokenizer) + 31) // 32
+    server.buffers[0] = torch.zeros(words, dtype=torch.int32)
+    spec = GrammarSpec.of(StructuredOutputsParams(choice=["yes", "no"]))
+    server.building.add(5)  # as the "add" message does
+
+    def build_later():
+        time.sleep(0.3)
+        server._build(5, "xgrammar", spec, [eos], None)
+
+    builder = threading.Thread(target=build_later)
+    builder.start()
+    server._fill(0, [], [], [5], 0, (1, words))
+    builder.join()
+    assert [m[0] for m in sent] == ["built", "filled"]
+    bits = np.unpackbits(server.buffers[0].numpy().view(np.uint8), bitorder="little")
+    first = set(np.flatnonzero(bits).tolist())
+    assert tokenizer.encode("yes", add_special_tokens=False)[0] in first and len(first) < 10
+
+
+@pytest.mark.parametrize("process", ["0", "1"])
+def test_a_grammar_built_before_is_scheduled_at_once(monkeypatch, process):
+    """A request whose grammar was built before (with the grammar process: the same backend,
+    spec and stop ids; on the engine's threads: the spec compiled) goes to the scheduler's
+    queue as it is added, not after its build is answered (a batch of cached grammars would
+    otherwise be admitted in waves); its tokens are those of the first batch."""
+    monkeypatch.setenv("EMBER_GRAMMAR_PROCESS", process)
+    llm = LLM(max_model_len=256)
+    params = [SamplingParams(temperature=0.0, max_tokens=30,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+              SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=(
+                  StructuredOutputsParams(choice=["Paris", "London", "Berlin"])))]
+    first = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.scheduler
+    for i, (prompt, p) in enumerate(zip(PROMPTS[:2], params)):
+        engine.add_request(f"again-{i}", prompt, p)
+    assert not scheduler.compiling and len(scheduler.waiting) == 2
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert [list(outs[f"again-{i}"].outputs[0].token_ids) for i in range(2)] == [
+        list(o.outputs[0].token_ids) for o in first]
+    json.loads(outs["again-0"].outputs[0].text)
+    # A new spec still waits for its build.
+    engine.add_request("new", PROMPTS[0], SamplingParams(
+        max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
+    assert len(scheduler.compiling) == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("process", ["0", "1"])
+def test_a_build_failing_after_one_that_worked_ends_its_request(monkeypatch, process):
+    """A request scheduled at once (its grammar built before) whose build fails after all is
+    aborted, with an error logged, and the engine serves the others."""
+    from ember.registry import GrammarBackendRegistry, isolated
+
+    monkeypatch.setenv("EMBER_GRAMMAR_PROCESS", process)
+    with isolated():
+        GrammarBackendRegistry.register_grammar_backend("second_fails", SecondBuildFailsBackend)
+        llm = LLM(max_model_len=128, structured_outputs_config={"backend": "second_fails"})
+        params = SamplingParams(temperature=0.0, max_tokens=6,
+                                structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+        first = llm.generate(["a"], params, use_tqdm=False)[0].outputs[0]
+        assert first.finish_reason != "abort" and first.token_ids
+        outs = llm.generate(["b", "c"], [params, SamplingParams(max_tokens=5)], use_tqdm=False)
+        assert outs[0].outputs[0].finish_reason == "abort"
+        assert len(outs[1].outputs[0].token_ids) == 5
+        assert_all_blocks_free(llm)
+        llm.shutdown()

@@ -77,7 +77,8 @@ class Scheduler:
     # ---- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        if request.structured_output is not None:
+        so = request.structured_output
+        if so is not None and so.grammar is None:  # (set at once when built before)
             self.compiling.append(request)  # joins `waiting` when its grammar is built
             return
         self.waiting.append(request)

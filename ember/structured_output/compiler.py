@@ -56,6 +56,13 @@ class GrammarCompiler:
         stop_ids = [i for i in stop_ids if i < self.vocab_size]
         return backend.new_grammar(self._compile(backend, name, spec), stop_ids)
 
+    def is_compiled(self, name: str, spec: GrammarSpec) -> bool:
+        """Whether `spec` is compiled for backend `name` (in the cache, without error): a
+        build is then only a matcher's making."""
+        with self._compiled_lock:
+            future = self._compiled.get((name, spec.key))
+        return future is not None and future.done() and future.exception() is None
+
     def _grammar_vocab_size(self, tokenizer: Any) -> int:
         """The bitmask's width in tokens: the ids the tokenizer has (and the model config's eos
         ids), not the model's logits width.

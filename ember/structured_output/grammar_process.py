@@ -149,10 +149,11 @@ class GrammarProcess:
 
     # ---- grammars ----------------------------------------------------------------------
     def add(self, backend: str, spec: GrammarSpec, stop_ids: list[int],
-            prompt_token_ids: Any = None) -> Future:
+            prompt_token_ids: Any = None) -> tuple[Future, RemoteGrammar]:
         """Build a grammar in the process; the future (set by `pump`) gives its RemoteGrammar,
         or raises GrammarBuildError. With a reasoning parser the prompt's ids (an int array)
-        give where the answer starts."""
+        give where the answer starts. The handle comes back at once too: a step that names
+        its key waits in the process until the build is done."""
         with self._send_lock:
             key, self._next_key = self._next_key, self._next_key + 1
             handle = RemoteGrammar(key)
@@ -163,7 +164,7 @@ class GrammarProcess:
             self._adds.append((key, backend, spec, stop_ids, prompt_token_ids))
         if len(self._adds) >= ADD_BATCH:
             self._flush_adds()
-        return future
+        return future, handle
 
     def _flush_adds(self) -> None:
         if self._adds:

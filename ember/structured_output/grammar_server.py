@@ -82,6 +82,10 @@ class _GrammarServer:
         self.building: set[int] = set()
         self.freed_while_building: set[int] = set()
         self.lock = threading.Lock()  # the pipe's sends, and the collections above (builds)
+        # Notified as each build ends: a step naming a key still building waits for it (the
+        # engine schedules a request at once when its grammar was built before, so its first
+        # fill can come before its build is done).
+        self.built = threading.Condition(self.lock)
         workers = max(1, min(4, (os.cpu_count() or 2) - 1))
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="ember-grammar")
         self.buffers: dict[int, Any] = {}  # slot -> flat int32 tensor over the shared file
@@ -169,6 +173,7 @@ class _GrammarServer:
                 self.backend_of[key] = backend
                 if state != ANSWER:
                     self.gate_state[key] = state
+            self.built.notify_all()
             self.conn.send(("built", key, error, self.compiler.vocab_size,
                             self.compiler.num_compiled))
 
@@ -184,6 +189,8 @@ class _GrammarServer:
     def _fill(self, seq: int, accept_keys: list[int], accept_tokens: list[int],
               fill_keys: list[int], slot: int, shape: tuple[int, int]) -> None:
         try:
+            if self.building:
+                self._await_builds(accept_keys, fill_keys)
             outcomes = self._accept(accept_keys, accept_tokens)
             advanced = time.perf_counter()
             bitmask = self.buffers[slot][:shape[0] * shape[1]].view(shape)
@@ -196,6 +203,13 @@ class _GrammarServer:
         except Exception as exc:
             logger.exception("grammar step failed")
             self._send(("failed", seq, f"{type(exc).__name__}: {exc}"))
+
+    def _await_builds(self, *key_lists: list[int]) -> None:
+        """Wait until no key of the lists is still building."""
+        with self.built:
+            for keys in key_lists:
+                while not self.building.isdisjoint(keys):
+                    self.built.wait()
 
     def _accept(self, keys: list[int], tokens: list[int]) -> list[tuple[int, bool]]:
         """Each key's grammar takes its token (in order; each backend's in one call where no key

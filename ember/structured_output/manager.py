@@ -29,6 +29,8 @@ replayed before its mask is filled.
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import os
 import threading
@@ -49,12 +51,15 @@ from ember.structured_output.validation import select_backend
 
 logger = logging.getLogger("ember")
 
+# Build keys the manager remembers as built (an LRU bound: each holds its spec's text).
+BUILT_BEFORE_MAX = 4096
+
 
 class StructuredOutputRequest:
     """A request's grammar: its spec, the build in progress, then the matcher."""
 
     __slots__ = ("spec", "backend", "future", "grammar", "num_accepted", "error", "state",
-                 "start", "ended")
+                 "start", "ended", "build_key")
 
     def __init__(self, spec: GrammarSpec, backend: str) -> None:
         self.spec = spec
@@ -70,6 +75,8 @@ class StructuredOutputRequest:
         # Deferred accepts: the status a fill found the grammar ending the request with (it
         # is complete, or refused a token), until the engine core ends it.
         self.ended: RequestStatus | None = None
+        # (backend, spec, stop ids): what its build depends on besides the prompt.
+        self.build_key: tuple = ()
 
 
 class StructuredOutputManager(BitmaskFilling):
@@ -110,6 +117,11 @@ class StructuredOutputManager(BitmaskFilling):
         # live key's request (the process names the keys whose grammar ended).
         self._accepts: tuple[list[int], list[int]] = ([], [])
         self._by_key: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
+        # The build keys the grammar process built without error, most recent last: a request
+        # with one of them is scheduled at once (its grammar comes from the process's cache,
+        # built before the request's first fill there), not after a round trip per request,
+        # which split a batch of cached grammars into waves of prefills.
+        self._built_before: collections.OrderedDict[tuple, None] = collections.OrderedDict()
 
     @property
     def vocab_size(self) -> int:
@@ -180,9 +192,24 @@ class StructuredOutputManager(BitmaskFilling):
 
             # The process keeps the reasoning gate too: the prompt says where the answer starts.
             gated = self.config.reasoning_parser and not self.config.enable_in_reasoning
-            so.future = self._start_process().add(
+            so.build_key = (backend, spec.key, tuple(stop_ids))
+            so.future, handle = self._start_process().add(
                 backend, spec, stop_ids,
                 np.array(request.prompt_token_ids, np.int32) if gated else None)
+            if so.build_key in self._built_before:
+                self._built_before.move_to_end(so.build_key)
+                so.grammar = handle
+                self._by_key[handle.key] = request
+                so.future.add_done_callback(functools.partial(self._built_at_once, request))
+                so.future = None
+            return
+        if self._compiler.is_compiled(backend, spec):
+            # Compiled before: the matcher is made here, so the request is scheduled at once
+            # (through the pool, a batch of cached grammars was admitted in waves).
+            try:
+                so.grammar = self._build(so, stop_ids, request.prompt_token_ids)
+            except Exception as exc:
+                self._build_failed(request, exc)
             return
         so.future = self._submit(self._build, so, stop_ids, request.prompt_token_ids)
         so.future.add_done_callback(self._notify)
@@ -234,13 +261,36 @@ class StructuredOutputManager(BitmaskFilling):
             so.grammar = so.future.result()
             if self._process is not None:  # the process's answers name the key
                 self._by_key[so.grammar.key] = request
+                self._remember_build(so.build_key)
         except Exception as exc:  # validated in the front end, so a backend's own failure
-            so.error = (str(exc) if isinstance(exc, GrammarBuildError)
-                        else f"{type(exc).__name__}: {exc}")
-            logger.error("request %s: the %s grammar backend failed to build its grammar: %s",
-                         request.request_id, so.backend, so.error)
+            self._build_failed(request, exc)
         so.future = None
         return True
+
+    def _build_failed(self, request: Request, exc: BaseException) -> None:
+        so = request.structured_output
+        so.error = (str(exc) if isinstance(exc, GrammarBuildError)
+                    else f"{type(exc).__name__}: {exc}")
+        logger.error("request %s: the %s grammar backend failed to build its grammar: %s",
+                     request.request_id, so.backend, so.error)
+
+    def _remember_build(self, build_key: tuple) -> None:
+        built = self._built_before
+        built[build_key] = None
+        built.move_to_end(build_key)
+        if len(built) > BUILT_BEFORE_MAX:
+            built.popitem(last=False)
+
+    def _built_at_once(self, request: Request, future: Future) -> None:
+        """The process's answer for a request scheduled before it (see `_built_before`): a
+        failure (a build that succeeded before, so not the spec's) ends the request."""
+        error = future.exception()
+        so = request.structured_output
+        if error is None or so.ended is not None:
+            return
+        self._build_failed(request, error)
+        so.ended = RequestStatus.FINISHED_ABORTED
+        self._finished.append((request, so.ended))
 
     def wait(self, timeout: float) -> None:
         """Block up to `timeout` seconds for some grammar build to finish (nothing else to do)."""
