@@ -13,6 +13,7 @@ import collections
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -242,14 +243,16 @@ class EngineCore(EngineCoreControl):
             return self._report_ended(folded or EngineCoreOutputs(timestamp=time.time()))
         result = launched[1].resolve()  # the step's one device-to-host sync
         timer.mark("wait")
-        outputs = self._fold_in(launched[0], result)
+        fill = None
         if plan.grammar_deferred:
-            # The backends fill the bitmask on their own threads while this thread hands the
-            # outputs over and schedules the next step; the sampling is launched before the
-            # next step is (that step reads the sampled tokens on the device).
-            self._pending_bitmask = structured.fill_async(grammar_rows)
-            timer.mark("grammar")
-        return self._report_ended(outputs)
+            # The backends fill the bitmask on their own threads (or the grammar process) from
+            # as soon as the tokens are recorded, while this thread makes and hands over the
+            # outputs and schedules the next step; the sampling is launched before the next
+            # step is (that step reads the sampled tokens on the device).
+            def fill() -> None:
+                self._pending_bitmask = structured.fill_async(grammar_rows)
+                timer.mark("grammar")
+        return self._report_ended(self._fold_in(launched[0], result, fill))
 
     def _step_batch_queue(self) -> EngineCoreOutputs:
         """Pipeline parallelism (vLLM's step_with_batch_queue): launch a new batch while fewer
@@ -327,9 +330,14 @@ class EngineCore(EngineCoreControl):
         for request, status in self.structured_output.take_finished():
             self.scheduler.finish_by_grammar(request, status)
 
-    def _fold_in(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
+    def _fold_in(self, plan: SchedulerOutput, result: ModelRunnerOutput,
+                 after_update: Callable[[], None] | None = None) -> EngineCoreOutputs:
+        """The step's results into the requests (``after_update`` runs once the scheduler
+        has them, before the outputs are made), and the outputs."""
         touched = self.scheduler.update_from_output(plan, result)
         self.timer.mark("update")
+        if after_update is not None:
+            after_update()
         sampled, logprobs, prompt_logprobs = (
             result.sampled_token_ids, result.logprobs, result.prompt_logprobs)
         outputs = []

@@ -133,6 +133,8 @@ class GrammarProcess:
         self._send_lock = threading.Lock()
         self._next_key = 0
         self._builds: dict[int, tuple[Future, RemoteGrammar]] = {}
+        # Called on this thread with (key, error) when a quiet build fails (see `add`).
+        self.on_quiet_failure: Callable[[int, str], None] = lambda key, error: None
         self._replies: dict[int, tuple] = {}
         self._next_seq = 0
         self._sent_at: dict[int, float] = {}
@@ -149,19 +151,24 @@ class GrammarProcess:
 
     # ---- grammars ----------------------------------------------------------------------
     def add(self, backend: str, spec: GrammarSpec, stop_ids: list[int],
-            prompt_token_ids: Any = None) -> tuple[Future, RemoteGrammar]:
+            prompt_token_ids: Any = None, quiet: bool = False,
+            ) -> tuple[Future | None, RemoteGrammar]:
         """Build a grammar in the process; the future (set by `pump`) gives its RemoteGrammar,
         or raises GrammarBuildError. With a reasoning parser the prompt's ids (an int array)
         give where the answer starts. The handle comes back at once too: a step that names
-        its key waits in the process until the build is done."""
+        its key waits in the process until the build is done. ``quiet`` (a build expected to
+        succeed, its grammar built before): no future, and the process answers only a
+        failure, passed to `on_quiet_failure(key, error)`."""
+        future: Future | None = None
         with self._send_lock:
             key, self._next_key = self._next_key, self._next_key + 1
             handle = RemoteGrammar(key)
             weakref.finalize(handle, self._free.append, key)  # the deque is never replaced
-            future: Future = Future()
-            self._builds[key] = (future, handle)
+            if not quiet:
+                future = Future()
+                self._builds[key] = (future, handle)
             # Sent in groups (ADD_BATCH), the rest with the next pump, fill or reply.
-            self._adds.append((key, backend, spec, stop_ids, prompt_token_ids))
+            self._adds.append((key, backend, spec, stop_ids, prompt_token_ids, quiet))
         if len(self._adds) >= ADD_BATCH:
             self._flush_adds()
         return future, handle
@@ -277,7 +284,11 @@ class GrammarProcess:
         kind = message[0]
         if kind == "built":
             _, key, error, self.vocab_size, self.num_compiled = message
-            future, handle = self._builds.pop(key)
+            entry = self._builds.pop(key, None)
+            if entry is None:  # a quiet build's failure
+                self.on_quiet_failure(key, error)
+                return
+            future, handle = entry
             if error is None:
                 future.set_result(handle)
             else:

@@ -115,8 +115,9 @@ class _GrammarServer:
                 if kind == "add":
                     with self.lock:
                         self.building.update(key for key, *_ in message[2])
-                    for key, backend, spec, stop_ids, prompt in message[2]:
-                        self.pool.submit(self._build, key, backend, spec, stop_ids, prompt)
+                    for key, backend, spec, stop_ids, prompt, quiet in message[2]:
+                        self.pool.submit(self._build, key, backend, spec, stop_ids, prompt,
+                                         quiet)
                 elif kind == "map":
                     _, _, slot, path, numel = message
                     self.buffers[slot] = _map_shared(path, numel)
@@ -150,7 +151,8 @@ class _GrammarServer:
                         self.freed_while_building.add(key)
 
     def _build(self, key: int, backend: str, spec: GrammarSpec, stop_ids: list[int],
-               prompt: Any) -> None:
+               prompt: Any, quiet: bool = False) -> None:
+        """Build key's grammar and answer (a quiet build: only its failure)."""
         error, state = None, ANSWER
         try:
             grammar = self.compiler.build(backend, spec, stop_ids)
@@ -174,8 +176,9 @@ class _GrammarServer:
                 if state != ANSWER:
                     self.gate_state[key] = state
             self.built.notify_all()
-            self.conn.send(("built", key, error, self.compiler.vocab_size,
-                            self.compiler.num_compiled))
+            if not quiet or error is not None:
+                self.conn.send(("built", key, error, self.compiler.vocab_size,
+                                self.compiler.num_compiled))
 
     def _gate(self) -> Any:
         from ember.structured_output.reasoning_gate import ReasoningGate

@@ -30,7 +30,6 @@ replayed before its mask is filled.
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import os
 import threading
@@ -50,9 +49,6 @@ from ember.structured_output.switch_interval import ShortSwitchInterval
 from ember.structured_output.validation import select_backend
 
 logger = logging.getLogger("ember")
-
-# Build keys the manager remembers as built (an LRU bound: each holds its spec's text).
-BUILT_BEFORE_MAX = 4096
 
 
 class StructuredOutputRequest:
@@ -173,6 +169,7 @@ class StructuredOutputManager(BitmaskFilling):
             self._process = GrammarProcess(self.config, self._load_tokenizer,
                                            self._compiler.vocab_size, self._eos_width,
                                            **self._process_args)  # type: ignore[arg-type]
+            self._process.on_quiet_failure = self._quiet_build_failed
         return self._process
 
     # ---- building ----------------------------------------------------------------------
@@ -193,15 +190,14 @@ class StructuredOutputManager(BitmaskFilling):
             # The process keeps the reasoning gate too: the prompt says where the answer starts.
             gated = self.config.reasoning_parser and not self.config.enable_in_reasoning
             so.build_key = (backend, spec.key, tuple(stop_ids))
+            at_once = so.build_key in self._built_before
             so.future, handle = self._start_process().add(
                 backend, spec, stop_ids,
-                np.array(request.prompt_token_ids, np.int32) if gated else None)
-            if so.build_key in self._built_before:
+                np.array(request.prompt_token_ids, np.int32) if gated else None, at_once)
+            if at_once:  # no answer unless it fails (_quiet_build_failed)
                 self._built_before.move_to_end(so.build_key)
                 so.grammar = handle
                 self._by_key[handle.key] = request
-                so.future.add_done_callback(functools.partial(self._built_at_once, request))
-                so.future = None
             return
         if self._compiler.is_compiled(backend, spec):
             # Compiled before: the matcher is made here, so the request is scheduled at once
@@ -278,17 +274,21 @@ class StructuredOutputManager(BitmaskFilling):
         built = self._built_before
         built[build_key] = None
         built.move_to_end(build_key)
-        if len(built) > BUILT_BEFORE_MAX:
+        # No more than the process's compile cache holds: a key remembered here is then
+        # mostly still compiled there (both in the order of use), so its quiet build is a
+        # matcher's making, not a compile that a step waits for.
+        if len(built) > self.config.max_cache_size:
             built.popitem(last=False)
 
-    def _built_at_once(self, request: Request, future: Future) -> None:
-        """The process's answer for a request scheduled before it (see `_built_before`): a
-        failure (a build that succeeded before, so not the spec's) ends the request."""
-        error = future.exception()
-        so = request.structured_output
-        if error is None or so.ended is not None:
+    def _quiet_build_failed(self, key: int, error: str) -> None:
+        """The grammar process failed the build of a request scheduled at once (see
+        `_built_before`; a build that succeeded before, so not the spec's fault): the request
+        ends."""
+        request = self._by_key.get(key)
+        if request is None or request.structured_output.ended is not None:
             return
-        self._build_failed(request, error)
+        so = request.structured_output
+        self._build_failed(request, GrammarBuildError(error))
         so.ended = RequestStatus.FINISHED_ABORTED
         self._finished.append((request, so.ended))
 
