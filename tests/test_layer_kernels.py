@@ -389,6 +389,22 @@ def test_argmax_rows_matches_torch_including_ties(rows):
     assert torch.count_nonzero(merge_counters(1, logits.device)) == 0
 
 
+def test_argmax_launches_past_the_first_skip_the_jit_while_nothing_specializes_anew():
+    """ember.kernels.fast_launch: compiled, the first launch's kernel is kept and launched
+    directly after; a launch that specializes otherwise (a tensor off 16-byte alignment,
+    another vocabulary width) compiles its own, and every answer is torch's. Interpreted,
+    nothing is kept."""
+    from ember.kernels import fast_launch
+
+    fast_launch._COMPILED.clear()
+    wide = _randn(4, 10_001, dtype=torch.float32, seed=7)
+    for logits in (wide[:, :10_000], wide[:, :10_000].clone(), wide[:, 1:], wide):
+        for _ in range(2):
+            assert torch.equal(argmax_rows(logits).cpu(), logits.argmax(dim=-1).cpu())
+    # Four keys: row stride 10,001 and 10,000, the misaligned view, the 10,001-wide rows.
+    assert len(fast_launch._COMPILED) == (0 if INTERPRET else 4)
+
+
 def test_masked_argmax_rows_matches_torch():
     """Under a grammar bitmask narrower than the vocabulary: masked rows take the argmax of
     their allowed tokens (none past the bitmask, ties to the first), unmasked rows (-1) the

@@ -54,8 +54,8 @@ OPS = (
     "fp8_quant",
     "fp8_gemv",
 )
-_LAZY_MODULES = frozenset((*OPS, "launch", "attention_common", "int4_tile", "split_k", "buffers",
-                           "dispatch", "tuning"))
+_LAZY_MODULES = frozenset((*OPS, "launch", "fast_launch", "attention_common", "int4_tile",
+                           "split_k", "buffers", "dispatch", "tuning"))
 
 __all__ = ["OPS", "KernelConfig", "kernel_config", "set_kernel_config", "use_kernel_config"]
 

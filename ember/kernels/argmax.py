@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels import fast_launch
 from ember.kernels.launch import cdiv, merge_counters, next_power_of_2
 
 CHUNK = 4096  # vocabulary entries per program
@@ -81,11 +82,13 @@ def argmax_rows(x: torch.Tensor, bitmask: torch.Tensor | None = None,
     num_chunks = cdiv(n_cols, CHUNK)
     part_val = torch.empty(rows * num_chunks, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(rows * num_chunks, dtype=torch.int32, device=x.device)
-    _argmax_kernel[(rows, num_chunks)](
-        x, part_val, part_idx, merge_counters(rows, x.device), out, n_cols, x.stride(0), num_chunks,
-        bitmask if has_mask else out, mask_rows if mask_rows is not None else out,
-        bitmask.shape[1] if has_mask else 0, bitmask.stride(0) if has_mask else 0,
-        CHUNK=CHUNK, CHUNKS_PAD=next_power_of_2(num_chunks), HAS_MASK=has_mask,
-        ROWS_IN_ORDER=in_order, num_warps=8,
-    )
+    # Launched eagerly every step (greedy sampling is outside the CUDA graphs): past the first
+    # launch, without triton's per-call binding (ember.kernels.fast_launch).
+    fast_launch.launch(
+        _argmax_kernel, (rows, num_chunks, 1),
+        (x, part_val, part_idx, merge_counters(rows, x.device), out, n_cols, x.stride(0),
+         num_chunks, bitmask if has_mask else out, mask_rows if mask_rows is not None else out,
+         bitmask.shape[1] if has_mask else 0, bitmask.stride(0) if has_mask else 0),
+        {"CHUNK": CHUNK, "CHUNKS_PAD": next_power_of_2(num_chunks), "HAS_MASK": has_mask,
+         "ROWS_IN_ORDER": in_order}, num_warps=8)
     return out
