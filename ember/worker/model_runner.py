@@ -300,10 +300,14 @@ class ModelRunner:
         graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
         if graph:
             self.graph_runner.stage_inputs(batch)  # type: ignore[union-attr]
+        # The placeholders' host side too goes before the deferred sampling (it waits for its
+        # bitmask); only their device copy must follow it.
+        placeholders = (self._stage_placeholders(batch, previous)
+                        if len(batch.placeholder_positions) else None)
         if before_device is not None:
             before_device()
-        if len(batch.placeholder_positions):
-            self._fill_placeholders(input_ids, batch, previous)
+        if placeholders is not None:
+            self._fill_placeholders(input_ids, placeholders, previous)
         if graph:
             hidden = self.graph_runner.replay(batch, input_ids)  # type: ignore[union-attr]
         else:
@@ -326,18 +330,27 @@ class ModelRunner:
         self.in_flight = step
         return step
 
-    def _fill_placeholders(self, input_ids: torch.Tensor, batch: FlatBatch,
-                           previous: InFlightStep | None) -> None:
+    def _stage_placeholders(self, batch: FlatBatch, previous: InFlightStep | None,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The placeholder tokens' positions in the inputs and their rows in the step in
+        flight's samples, on the device."""
         states = batch.states
         pendings = [states[row].pending for row in batch.placeholder_rows]
-        if previous is None or previous.sampled is None or not all(
-            p is not None and p[0] is previous for p in pendings
-        ):
+        if previous is None or not all(p is not None and p[0] is previous for p in pendings):
             raise RuntimeError("a placeholder token does not come from the step in flight")
         src_rows = [p[1] for p in pendings]  # type: ignore[index]
         positions = self._stage("placeholder_positions", batch.placeholder_positions, torch.int64)
         sources = self._stage("placeholder_sources", np.array(src_rows), torch.int64)
-        input_ids[positions] = previous.sampled[sources]  # type: ignore[index]
+        return positions, sources
+
+    def _fill_placeholders(self, input_ids: torch.Tensor,
+                           staged: tuple[torch.Tensor, torch.Tensor],
+                           previous: InFlightStep) -> None:
+        """The step in flight's sampled tokens into the inputs, on the device."""
+        if previous.sampled is None:
+            raise RuntimeError("the step in flight has not been sampled")
+        positions, sources = staged
+        input_ids[positions] = previous.sampled[sources]
 
     def _sampling_logits(self, batch: FlatBatch, hidden: torch.Tensor,
                          ) -> tuple[list[CachedRequestState], torch.Tensor]:
