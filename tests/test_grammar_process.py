@@ -283,6 +283,15 @@ def test_the_process_side_keeps_each_grammars_state():
     plain._free([2])
     assert plain._accept([2], [yes[0]]) == [] and 2 not in plain.grammars
     assert plain._accept([3], [eos]) == []  # never built
+    # Every key live, one backend: the one-call path (no per-row loop), same answers.
+    for key in (4, 5):
+        plain._build(key, "xgrammar", spec, [eos], None)
+    assert plain._plain_rows([4, 5]) is not None and plain._plain_rows([4, 1]) is None
+    bitmask = torch.zeros(2, words, dtype=torch.int32)
+    plain._fill_rows([4, 5], bitmask)
+    assert allowed(bitmask[0]) == allowed(bitmask[1]) == first
+    assert plain._accept([4, 5], [yes[0], eos]) == [(5, False)]  # eos cannot start a choice
+    assert plain._accept([4] * (len(yes) - 1) + [4], yes[1:] + [eos]) == [(4, True)]
 
     # Qwen3's tags are not single tokens of this tokenizer: use ids the gate is told of.
     gated = server(reasoning_parser="qwen3")

@@ -214,6 +214,18 @@ class _GrammarServer:
                 while not self.building.isdisjoint(keys):
                     self.built.wait()
 
+    def _plain_rows(self, keys: list[int]) -> tuple[Any, list[Any]] | None:
+        """The common step, without a per-row loop in Python: every key has a live grammar
+        (none freed, ended or reasoning) and one backend holds them all. Then (that backend,
+        the keys' grammars in order); otherwise None."""
+        backends = self.compiler.backends
+        if self.gate_state or len(backends) != 1 or not keys:
+            return None
+        in_order = list(map(self.grammars.get, keys))
+        if None in in_order or not self.ended.isdisjoint(keys):
+            return None
+        return next(iter(backends.values())), in_order
+
     def _accept(self, keys: list[int], tokens: list[int]) -> list[tuple[int, bool]]:
         """Each key's grammar takes its token (in order; each backend's in one call where no key
         repeats); returns (key, accepted) of the grammars that ended: accepted False, it
@@ -221,7 +233,13 @@ class _GrammarServer:
         from ember.structured_output.compiler import Advances, advance_grammars
 
         grammars, ended, gate_state = self.grammars, self.ended, self.gate_state
-        outcomes: list[tuple[int, bool]] = []
+        plain = self._plain_rows(keys)
+        if plain is not None and len(set(keys)) == len(keys):  # one backend call, no loop
+            backend, in_order = plain
+            outcomes = [(keys[index], ok) for index, ok in backend.advance(in_order, tokens)]
+            ended.update(key for key, _ in outcomes)
+            return outcomes
+        outcomes = []
         batch, in_batch = Advances(), set()
 
         def advance() -> None:
@@ -259,6 +277,13 @@ class _GrammarServer:
         from ember.structured_output.compiler import fill_grammar_rows
 
         grammars, ended, gate_state = self.grammars, self.ended, self.gate_state
+        plain = self._plain_rows(keys)
+        if plain is not None:  # every row its grammar's, one backend call
+            backend, in_order = plain
+            if not backend.fills_whole_rows:
+                bitmask.fill_(-1)
+            backend.fill_bitmasks(in_order, bitmask, list(range(len(keys))))
+            return
         by_backend: dict[str, tuple[list, list[int]]] = {}
         undecided = []
         for row, key in enumerate(keys):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import Any
 
 from ember.structured_output.config import StructuredOutputsConfig
@@ -150,6 +151,8 @@ class XgrammarBackend(StructuredOutputBackend):
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         # Fills a step's bitmask rows on xgrammar's own threads (the GIL is released).
         self.batch = xgr.BatchGrammarMatcher(max_threads=_fill_threads())
+        self._stop_ids: frozenset[int] = frozenset()  # every grammar's stop ids, ever
+        self._stop_ids_lock = threading.Lock()
 
     def compile(self, spec: GrammarSpec) -> Any:
         return self.compiler.compile_grammar(build_grammar(spec))
@@ -157,8 +160,12 @@ class XgrammarBackend(StructuredOutputBackend):
     def new_grammar(self, compiled: Any, stop_token_ids: list[int]) -> Grammar:
         import xgrammar as xgr
 
-        return XgrammarGrammar(xgr.GrammarMatcher(
+        grammar = XgrammarGrammar(xgr.GrammarMatcher(
             compiled, override_stop_tokens=list(stop_token_ids) or None))
+        if not grammar.stop_ids <= self._stop_ids:
+            with self._stop_ids_lock:  # builds run on several threads
+                self._stop_ids = self._stop_ids | grammar.stop_ids  # (advance reads the old)
+        return grammar
 
     def accept_tokens(self, grammars: list[Grammar], tokens: list[int]) -> list[bool]:
         # One native call for the step's rows (it holds the GIL for much of its time, so it is
@@ -169,11 +176,18 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def advance(self, grammars: list[Grammar], tokens: list[int]) -> list[tuple[int, bool]]:
         refused = _batch_accept(grammars, tokens)  # type: ignore[arg-type]
+        # Only a row whose token is some grammar's stop id can have ended by accepting it:
+        # one pass over the tokens in a comprehension, not a Python loop over the rows.
+        stops = self._stop_ids
+        candidates = [i for i, token in enumerate(tokens) if token in stops]
+        if refused:
+            candidates = sorted({*candidates, *refused})
         ended = []
-        for i, (grammar, token) in enumerate(zip(grammars, tokens)):
+        for i in candidates:
+            grammar = grammars[i]
             if i in refused:
                 ended.append((i, False))
-            elif token in grammar.stop_ids and grammar.is_terminated():  # type: ignore[attr-defined]
+            elif tokens[i] in grammar.stop_ids and grammar.is_terminated():  # type: ignore[attr-defined]
                 ended.append((i, True))
         return ended
 
