@@ -298,7 +298,8 @@ def test_stream_failure_hands_over_to_the_window(tok, decoder):
 
 
 def test_detokenize_benchmark_runs(decoder, tmp_path):
-    """ember.bench.detokenize (both decoders, its own equality checks) at a toy size."""
+    """ember.bench.detokenize (both decoders, fed a token a step and at the end, its own
+    equality checks) at a toy size."""
     if decoder == "window":
         pytest.skip("the benchmark runs both decoders itself")
     from ember.bench import detokenize
@@ -307,4 +308,4 @@ def test_detokenize_benchmark_runs(decoder, tmp_path):
     assert detokenize.main(["--sequences", "8", "--tokens", "16", "--rounds", "1",
                             "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert set(result["us_per_token"]) == {"stream", "window"}
+    assert set(result["us_per_token"]) == {"stream", "stream_at_end", "window"}

@@ -71,7 +71,17 @@ def _requests(stop: str, kind: RequestOutputKind) -> list[tuple[str, str, Sampli
         ("n3", PROMPT, SamplingParams(n=3, temperature=1.0, seed=11, **common)),
         ("n2_incl", PROMPT, SamplingParams(n=2, temperature=0.0, include_stop_str_in_output=True,
                                            **common)),
+        # No stop string: FINAL_ONLY detokenizes these once they end (decode_at_end), the
+        # others as each token comes; special tokens kept with spaces take the window's path.
+        ("no_stop", PROMPT, SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=MAX_NEW,
+                                           ignore_eos=True, output_kind=kind)),
+        ("no_stop_special", PROMPT, SamplingParams(
+            temperature=1.0, seed=6, max_tokens=MAX_NEW, ignore_eos=True, output_kind=kind,
+            skip_special_tokens=False, spaces_between_special_tokens=True)),
     ]
+
+
+NO_STOP = ("no_stop", "no_stop_special")
 
 
 def _by_request(outputs) -> dict[str, list]:
@@ -98,7 +108,7 @@ def _check_kinds(cumulative: dict, delta: dict, final: dict, stop: str,
         assert delta[request_id][-1].finished
         if one_token_per_delta:
             assert max(len(c.token_ids) for o in delta[request_id] for c in o.outputs) == 1
-        if request_id != "n2_incl":
+        if request_id != "n2_incl" and request_id not in NO_STOP:
             assert all(stop not in c.text for o in delta[request_id] for c in o.outputs)
         # FINAL_ONLY: one output, the final one.
         assert len(final[request_id]) == 1 and final[request_id][0].finished

@@ -41,6 +41,9 @@ class ChildState:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     sent_finish: bool = False
+    # The text is read only once the sequence ends (a FINAL_ONLY request without stop strings):
+    # its tokens are detokenized then, in one pass, not a call a step.
+    decode_at_end: bool = False
 
     @property
     def finished(self) -> bool:
@@ -75,9 +78,12 @@ class OutputProcessor:
             raise ValueError(f"request id {request_id!r} is already in use")
         children = [self._make_child(cid, i, p, prompt_token_ids)
                     for i, (cid, p) in enumerate(zip(child_ids, child_params))]
+        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
+        for child in children:
+            child.decode_at_end = final_only and child.detokenizer is not None and \
+                not child.detokenizer.stop
         parent = ParentState(request_id, prompt, prompt_token_ids, params, children,
-                             RequestMetrics(arrival_time),
-                             final_only=params.output_kind == RequestOutputKind.FINAL_ONLY,
+                             RequestMetrics(arrival_time), final_only=final_only,
                              delta=params.output_kind == RequestOutputKind.DELTA)
         self.parents[request_id] = parent
         for child in children:
@@ -157,7 +163,7 @@ class OutputProcessor:
                         child.logprobs.append(self._logprob_dict(ids, values, rank))
                         child.cumulative_logprob += values[0]
                 detok = child.detokenizer
-                if detok is not None:
+                if detok is not None and not child.decode_at_end:
                     detok.append(new_ids)
                     stop_str = detok.stop_string_hit
                     if stop_str is not None and out.finish_reason is None:
@@ -203,6 +209,8 @@ class OutputProcessor:
         outputs = []
         for child in parent.children:
             detok = child.detokenizer
+            if child.decode_at_end and len(detok.token_ids) < len(child.token_ids):
+                detok.append(child.token_ids[len(detok.token_ids):])  # the same calls, now
             if detok is not None and child.finished and not detok.finished:
                 detok.finish()  # flush a trailing partial character
             # Cumulative and append-only: streamed deltas never need taking back.
