@@ -75,3 +75,32 @@ def test_cache_off_writes_nothing(tmp_path, monkeypatch):
     finally:
         tokenizer_mod._cache.clear()
     assert not any(tmp_path.iterdir())
+
+
+def test_later_loads_unpickle_and_an_entry_without_the_pickle_gets_it(cache_root, monkeypatch):
+    """The entry holds the pickled tokenizer (read by the same library versions only); an entry
+    written without it (or by other versions) is read through save_pretrained's files and
+    rewritten with it; every load hands out its own tokenizer, the same as converted."""
+    path = default_model_path()
+    converted = tokenizer_mod.load_tokenizer(path, cache=False)
+    first = tokenizer_mod.load_tokenizer(path)
+    entry = tokenizer_cache.entry_dir(path)
+    assert os.path.isfile(os.path.join(entry, "tokenizer.pkl"))
+    tokenizer_mod._cache.clear()
+    monkeypatch.setattr(tokenizer_mod, "_load_gguf", lambda _path: pytest.fail("converted"))
+    unpickled = tokenizer_mod.load_tokenizer(path)
+    again = tokenizer_mod.load_tokenizer(path)
+    assert unpickled is not again and unpickled is not first
+    for loaded in (first, unpickled, again):
+        _same(converted, loaded)
+    # Other library versions: the files are read, and the entry gets bytes of these versions.
+    marker = os.path.join(entry, "ember_tokenizer_cache.json")
+    with open(marker) as f:
+        meta = json.load(f)
+    meta["pickled_with"] = "transformers 0.0, tokenizers 0.0"
+    with open(marker, "w") as f:
+        json.dump(meta, f)
+    tokenizer_mod._cache.clear()
+    assert tokenizer_cache.load_pickled(path) is None
+    _same(converted, tokenizer_mod.load_tokenizer(path))
+    assert tokenizer_cache.load_pickled(path) is not None
