@@ -50,33 +50,40 @@ def _versions() -> str:
     return f"transformers {version('transformers')}, tokenizers {version('tokenizers')}"
 
 
-def load_pickled(gguf_path: str) -> bytes | None:
-    """The cached tokenizer of this GGUF file as pickled bytes (pickle.loads gives it), or None
-    when there are none for these library versions."""
+def _entry(gguf_path: str) -> tuple[str, dict] | None:
+    """This file's complete cache entry: (its directory, its marker's contents), or None."""
     directory = entry_dir(gguf_path)
-    if directory is None or not os.path.isfile(os.path.join(directory, _MARKER)):
+    if directory is None:
         return None
     try:
         with open(os.path.join(directory, _MARKER)) as f:
-            meta = json.load(f)
-        if meta.get("pickled_with") != _versions():
-            return None
-        with open(os.path.join(directory, _PICKLE), "rb") as f:
+            return directory, json.load(f)
+    except (OSError, ValueError):  # none yet, or a damaged marker
+        return None
+
+
+def load_pickled(gguf_path: str) -> bytes | None:
+    """The cached tokenizer of this GGUF file as pickled bytes (pickle.loads gives it), or None
+    when there are none for these library versions."""
+    entry = _entry(gguf_path)
+    if entry is None or entry[1].get("pickled_with") != _versions():
+        return None
+    try:
+        with open(os.path.join(entry[0], _PICKLE), "rb") as f:
             return f.read()
-    except (OSError, ValueError):
+    except OSError:
         return None
 
 
 def load(gguf_path: str) -> PreTrainedTokenizerBase | None:
     """The cached tokenizer of this GGUF file, or None when there is none (or it is unusable)."""
-    directory = entry_dir(gguf_path)
-    if directory is None or not os.path.isfile(os.path.join(directory, _MARKER)):
+    entry = _entry(gguf_path)
+    if entry is None:
         return None
+    directory, meta = entry
     try:
         import transformers
 
-        with open(os.path.join(directory, _MARKER)) as f:
-            meta = json.load(f)
         # The class by its top-level name: imports its own module only, where transformers'
         # tokenizer_class_from_name imports the auto mappings (~0.6 s).
         tokenizer_cls = getattr(transformers, meta["class"], None)
