@@ -19,6 +19,7 @@ def test_structured_reports_each_rounds_collector_pauses_and_phases(tmp_path):
                    "--repeats", "2", "--compact", "--function-times"], tmp_path / "s.json",
                   EMBER_STEP_TIMING="1")
     assert data["outputs_valid_json"] >= 1 and len(data["rounds"]) == 2
+    assert data["engine_core"] == "in process"
     for round_ in data["rounds"]:
         for run in ("constrained", "unconstrained"):
             totals = round_["totals_ms"][run]
@@ -51,3 +52,11 @@ def test_gc_pause_compares_frozen_and_not_in_both_processes(tmp_path):
         assert frozen["frozen"] > 100_000 and thawed["frozen"] == 0
         assert frozen["walked"] < thawed["walked"]
         assert len(frozen["full_collect_ms"]) == 1 and thawed["median_ms"] >= 0
+
+
+def test_structured_runs_with_the_engine_core_in_its_own_process(tmp_path):
+    """The server's layout (EMBER_ENGINE_PROCESS=1): the ratio without step timing."""
+    data = _bench(["ember.bench.structured", "--num-prompts", "4", "--max-tokens", "16",
+                   "--repeats", "1", "--compact"], tmp_path / "p.json", EMBER_ENGINE_PROCESS="1")
+    assert data["engine_core"] == "own process" and data["outputs_valid_json"] >= 1
+    assert data["constrained_over_unconstrained"] > 0 and "step_ms" not in data

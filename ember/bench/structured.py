@@ -175,6 +175,8 @@ def run(ns: argparse.Namespace) -> dict:
         "compile": compile_stats,
         "grammar_process": getattr(getattr(getattr(llm.llm_engine, "engine_core", None),
                                            "structured_output", None), "uses_process", None),
+        "engine_core": ("own process" if llm.llm_engine.client.multiprocess
+                        else "in process"),  # EMBER_ENGINE_PROCESS=1: the server's layout
         "load_average": list(os.getloadavg()),  # a shared machine: how busy it was
     }
     if manager is not None:
