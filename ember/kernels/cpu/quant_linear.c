@@ -95,12 +95,14 @@ static void round_and_sum(const float *x, int64_t x_stride, int rows, int k, uin
     /* Rows are independent: the threads split them once there are enough to pay for it. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= 64)
     for (int i = 0; i < rows; i++) {
+        const uint16_t *row = xb + (int64_t)i * k;
+        float *row_sums = sums + i * groups;
         for (int j = 0; j < k; j++) xb[(int64_t)i * k + j] = to_bf16(x[i * x_stride + j]);
-        for (int g = 0; g < groups; g++) {
-            float s = 0.0f;
-            for (int j = 0; j < GROUP; j++) s += from_bf16(xb[(int64_t)i * k + g * GROUP + j]);
-            sums[i * groups + g] = s;
-        }
+        /* Each group's sum in its order (j = 0, 1, ...: the same float result), the groups
+         * side by side: independent additions, not one chain of dependent ones. */
+        for (int g = 0; g < groups; g++) row_sums[g] = 0.0f;
+        for (int j = 0; j < GROUP; j++)
+            for (int g = 0; g < groups; g++) row_sums[g] += from_bf16(row[g * GROUP + j]);
     }
 }
 
