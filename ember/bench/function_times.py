@@ -32,7 +32,7 @@ ENGINE_STEP_FUNCTIONS = [
     "ember.worker.model_runner:ModelRunner._sampling_logits",
     "ember.worker.model_runner:ModelRunner._fill_placeholders",
     "ember.worker.model_runner:ModelRunner._update_states",
-    "ember.worker.model_runner:greedy_argmax",
+    "ember.worker.step_sampling:greedy_argmax",
     "ember.worker.grammar_mask:GrammarMasks.masked_argmax",
     "ember.kernels.argmax:argmax_rows",
     "ember.worker.in_flight:InFlightStep.reserve",

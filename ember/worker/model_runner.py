@@ -1,7 +1,8 @@
 """ModelRunner: SchedulerOutput -> flat inputs -> attention metadata -> forward -> sampled tokens.
 
 It runs steps on a model it is given; ember.worker.builder builds it (platform, model, weights,
-KV cache size, graphs) and calls its set-up methods once.
+KV cache size, graphs) and calls its set-up methods once. A step's rows are sampled by
+ember.worker.step_sampling.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import torch
 from ember.attention_backends.base import AttentionBackend, AttentionMetadata
 from ember.config import ModelConfig
 from ember.core.scheduler_output import GrammarBitmask, SchedulerOutput
-from ember.kernels import dispatch
-from ember.layers.sampler import Sampler, greedy_argmax
+from ember.layers.sampler import Sampler
 from ember.logits_processors.interface import ProcessorContext
 from ember.logits_processors.pipeline import LogitsProcessorSet
 from ember.worker.grammar_mask import GrammarMasks
@@ -29,6 +29,7 @@ from ember.worker.input_batch import (
     build_flat_batch,
 )
 from ember.worker.input_stager import InputStager
+from ember.worker.step_sampling import plain_greedy, sample_rows
 
 if TYPE_CHECKING:
     from ember.layers.attention import ForwardContext
@@ -54,23 +55,6 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
                          f"(the {platform.name} device here has none; on CUDA, compute "
                          "capability 8.9 or newer)")
     return torch.float8_e4m3fn
-
-
-def _uses_penalties(params) -> bool:
-    return (
-        params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or params.repetition_penalty != 1.0
-    )
-
-
-def _plain_greedy(params, num_output: int, processors: LogitsProcessorSet) -> bool:
-    return (
-        params.temperature == 0.0
-        and params.logprobs is None
-        and not _uses_penalties(params)
-        and not processors.affects_greedy(params, num_output)
-    )
 
 
 class ModelRunner:
@@ -244,7 +228,7 @@ class ModelRunner:
             # More than an argmax at some step (a processor named in extra_args may become
             # active only later, so naming one is enough):
             params = new.sampling_params
-            if params.extra_args or not _plain_greedy(params, 0, self.logits_processors):
+            if params.extra_args or not plain_greedy(params, 0, self.logits_processors):
                 self.special_sampling_reqs.add(new.req_id)
         for cached in out.cached_requests:
             state = self.states[cached.req_id]
@@ -372,58 +356,9 @@ class ModelRunner:
 
     def _sample(self, rows: list[CachedRequestState], logits: torch.Tensor, step: InFlightStep,
                 previous: InFlightStep | None, grammar: GrammarBitmask | None = None) -> None:
-        from ember.layers.sampling_metadata import build_sampling_metadata
-
-        processors = self.logits_processors
-        # A reserved step's own placeholders are in its rows' outputs already (InFlightStep.
-        # reserve): the sampling sees the outputs before them.
-        own = 1 if step.reserved else 0
-        if not self.special_sampling_reqs or all(
-            _plain_greedy(s.sampling_params, len(s.output_token_ids) - own, processors)
-            for s in rows
-        ):
-            # Nothing to build: no penalties or logprobs, just the argmax (of the masked logits
-            # under a grammar: the sampler would mask them alike, in place, then take it; on a
-            # GPU one kernel reads the bitmask and the logits as they are).
-            if grammar is not None and dispatch.on_gpu(logits) and \
-                    dispatch.layer_kernels_enabled():
-                step.attach_samples(
-                    rows, self.grammar_masks.masked_argmax(logits, rows, grammar), None)
-                return
-            if grammar is not None and logits.device.type == "cpu":
-                step.attach_samples(
-                    rows, self.grammar_masks.masked_greedy_on_host(logits, rows, grammar), None)
-                return
-            if grammar is not None:
-                logits = self.grammar_masks.masked_logits(logits, rows, grammar)
-            step.attach_samples(rows, greedy_argmax(logits), None)
-            return
-        if previous is not None and any(
-            s.pending is not None and (
-                _uses_penalties(s.sampling_params)
-                or processors.needs_output_tokens(s.sampling_params,
-                                                  len(s.output_token_ids) - own))
-            for s in rows
-        ):
-            # Penalties and some processors (bad_words) read earlier tokens on the host: wait for
-            # the step in flight.
-            previous.resolve()
-        metadata = build_sampling_metadata(
-            [s.sampling_params for s in rows],
-            [s.output_token_ids[:-1] if own else s.output_token_ids for s in rows],
-            [s.prompt_token_ids for s in rows],
-            {i: s.generator for i, s in enumerate(rows) if s.generator is not None},
-            logits.shape[-1],
-            self.device,
-            processors,
-            [s.req_id for s in rows],
-        )
-        if grammar is not None:
-            mask = self.grammar_masks.for_sampler(rows, grammar)
-            if mask is not None:
-                metadata.grammar_bitmask, metadata.grammar_rows, metadata.grammar_row_list = mask
-        sampled = self.sampler(logits, metadata)
-        step.attach_samples(rows, sampled.sampled_token_ids, sampled.logprobs)
+        sample_rows(rows, logits, step, previous, grammar, sampler=self.sampler,
+                    processors=self.logits_processors, grammar_masks=self.grammar_masks,
+                    device=self.device, any_special=bool(self.special_sampling_reqs))
 
     def _prompt_logprobs(
         self, batch: FlatBatch, hidden: torch.Tensor, out: SchedulerOutput, result
