@@ -214,17 +214,17 @@ class _GrammarServer:
                 while not self.building.isdisjoint(keys):
                     self.built.wait()
 
-    def _plain_rows(self, keys: list[int]) -> tuple[Any, list[Any]] | None:
+    def _plain_rows(self, keys: list[int]) -> tuple[str, list[Any]] | None:
         """The common step, without a per-row loop in Python: every key has a live grammar
-        (none freed, ended or reasoning) and one backend holds them all. Then (that backend,
-        the keys' grammars in order); otherwise None."""
+        (none freed, ended or reasoning) and one backend holds them all. Then (that backend's
+        name, the keys' grammars in order); otherwise None."""
         backends = self.compiler.backends
         if self.gate_state or len(backends) != 1 or not keys:
             return None
         in_order = list(map(self.grammars.get, keys))
         if None in in_order or not self.ended.isdisjoint(keys):
             return None
-        return next(iter(backends.values())), in_order
+        return next(iter(backends)), in_order
 
     def _accept(self, keys: list[int], tokens: list[int]) -> list[tuple[int, bool]]:
         """Each key's grammar takes its token (in order; each backend's in one call where no key
@@ -235,8 +235,9 @@ class _GrammarServer:
         grammars, ended, gate_state = self.grammars, self.ended, self.gate_state
         plain = self._plain_rows(keys)
         if plain is not None and len(set(keys)) == len(keys):  # one backend call, no loop
-            backend, in_order = plain
-            outcomes = [(keys[index], ok) for index, ok in backend.advance(in_order, tokens)]
+            name, in_order = plain
+            outcomes = [(keys[index], ok)
+                        for index, ok in self.compiler.backends[name].advance(in_order, tokens)]
             ended.update(key for key, _ in outcomes)
             return outcomes
         outcomes = []
@@ -278,11 +279,10 @@ class _GrammarServer:
 
         grammars, ended, gate_state = self.grammars, self.ended, self.gate_state
         plain = self._plain_rows(keys)
-        if plain is not None:  # every row its grammar's, one backend call
-            backend, in_order = plain
-            if not backend.fills_whole_rows:
-                bitmask.fill_(-1)
-            backend.fill_bitmasks(in_order, bitmask, list(range(len(keys))))
+        if plain is not None:  # every row its grammar's, in order
+            name, in_order = plain
+            fill_grammar_rows(self.compiler.backends, {name: (in_order, list(range(len(keys))))},
+                              bitmask)
             return
         by_backend: dict[str, tuple[list, list[int]]] = {}
         undecided = []
