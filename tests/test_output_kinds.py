@@ -233,3 +233,62 @@ def test_merge_delta_outputs():
     assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in merged.outputs] == [
         (0, "a", [1], None), (1, "xy", [7, 8], "stop"), (2, "q", [9], "stop")]
     assert merged.finished
+
+
+def _core_outputs_per_request(engine, requests) -> tuple[list, dict[str, list]]:
+    """run_engine, recording each EngineCoreOutput the front end folds in, by request id."""
+    seen: dict[str, list] = {}
+    process = engine.output_processor.process
+
+    def recording(core_outputs):
+        for out in core_outputs.outputs:
+            seen.setdefault(out.request_id, []).append(out)
+        return process(core_outputs)
+
+    engine.output_processor.process = recording
+    try:
+        return run_engine(engine, requests), seen
+    finally:
+        del engine.output_processor.process
+
+
+def test_final_only_outputs_come_once_from_the_core(engine):
+    """A FINAL_ONLY request with nothing to check per token has the core send its tokens once,
+    when it ends (outputs_at_end): the same result as per-step outputs, and its token times;
+    one with a stop string or logprobs still gets an output a step."""
+    reference = {o.request_id: o for o in run_engine(engine, [
+        (f"ref{i}", PROMPT, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=MAX_NEW,
+                                           ignore_eos=True)) for i in range(2)]) if o.finished}
+    final = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=MAX_NEW, ignore_eos=True,
+                           output_kind=KINDS.FINAL_ONLY)
+    stop = _stop_string(reference["ref0"].outputs[0].text)
+    outputs, seen = _core_outputs_per_request(engine, [
+        ("end0", PROMPT, final), ("end1", PROMPT, final),
+        ("stop", PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop=[stop],
+                                        output_kind=KINDS.FINAL_ONLY)),
+        ("logprobs", PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=1,
+                                            ignore_eos=True, output_kind=KINDS.FINAL_ONLY))])
+    by_id = {o.request_id: o for o in outputs}
+    assert len(outputs) == 4 and all(o.finished for o in outputs)
+    for i in range(2):
+        assert final_by_index(by_id[f"end{i}"]) == final_by_index(reference[f"ref{i}"])
+        _check_metrics(by_id[f"end{i}"].metrics)
+    ends = [outs for rid, outs in seen.items() if rid.endswith(("_end0", "_end1"))]
+    assert len(ends) == 4  # two children each
+    for outs in ends:
+        assert len(outs) == 1 and len(outs[0].new_token_ids) == MAX_NEW
+        assert outs[0].finish_reason == "length" and outs[0].first_token_time > 0
+    assert len(seen["stop"]) > 1 and len(seen["logprobs"]) == MAX_NEW
+    assert_all_blocks_free(engine)
+
+
+def test_aborted_outputs_at_end_request_frees_its_blocks(engine):
+    params = SamplingParams(max_tokens=400, ignore_eos=True, output_kind=KINDS.FINAL_ONLY)
+    engine.add_request("long", PROMPT, params)
+    engine.step()
+    engine.step()
+    [final] = engine.abort_request("long")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        assert engine.step() == []
+    assert_all_blocks_free(engine)

@@ -157,6 +157,7 @@ class EngineCore(EngineCoreControl):
         request = Request(req.request_id, req.prompt_token_ids, params, set(req.eos_token_ids),
                           self.args.block_size, req.arrival_time, priority=req.priority,
                           cache_salt=req.cache_salt)
+        request.outputs_at_end = req.outputs_at_end
         if params.structured_outputs is not None:
             self.structured_output.add(request)  # compiles on a worker thread
         self.scheduler.add_request(request)
@@ -318,9 +319,12 @@ class EngineCore(EngineCoreControl):
         bitmask was filled."""
         ended = self.scheduler.ended
         if ended:
-            outputs.outputs.extend(EngineCoreOutput(r.request_id,
-                                                    finish_reason=r.status.finish_reason)
-                                   for r in ended)
+            for request in ended:
+                out = EngineCoreOutput(request.request_id,
+                                       finish_reason=request.status.finish_reason)
+                if request.outputs_at_end:
+                    _all_tokens(out, request)
+                outputs.outputs.append(out)
             ended.clear()
         return outputs
 
@@ -342,14 +346,19 @@ class EngineCore(EngineCoreControl):
             result.sampled_token_ids, result.logprobs, result.prompt_logprobs)
         outputs = []
         for request in touched:
+            finished = request.status >= RequestStatus.FINISHED_STOPPED
+            if request.outputs_at_end and not finished:
+                continue  # nothing until it finishes: no output to make or fold in per step
             req_id = request.request_id
             token = sampled.get(req_id)
             out = EngineCoreOutput(req_id, [token] if token is not None else [])
-            if token is not None and req_id in logprobs:
+            if request.outputs_at_end:
+                _all_tokens(out, request)
+            elif token is not None and req_id in logprobs:
                 out.new_logprobs = [logprobs[req_id]]
             if req_id in prompt_logprobs:
                 out.prompt_logprobs = prompt_logprobs[req_id]
-            if request.status >= RequestStatus.FINISHED_STOPPED:
+            if finished:
                 out.finish_reason = request.status.finish_reason
                 out.stop_reason = request.stop_reason
             if request.num_cached_tokens >= 0:
@@ -409,3 +418,11 @@ class EngineCore(EngineCoreControl):
         shutdown = getattr(self.executor, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _all_tokens(out: EngineCoreOutput, request: Request) -> None:
+    """An outputs-at-end request's one output: every token it generated, and their times."""
+    out.new_token_ids = list(request.output_token_ids)
+    metrics = request.metrics
+    out.first_token_time = metrics.first_token_time or 0.0
+    out.last_token_time = metrics.last_token_time or 0.0

@@ -34,6 +34,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0  # lower runs first under scheduling_policy="priority"
     cache_salt: str | None = None  # folded into the first block hash: shared only by equal salts
     pooling_params: PoolingParams | None = None  # a pooling request (ember.pooling)
+    # The front end wants nothing of this sequence until it finishes (a FINAL_ONLY request
+    # without logprobs or stop strings): the core then sends one output, with every token.
+    outputs_at_end: bool = False
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -49,6 +52,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_preemptions: int = 0
     first_scheduled_time: float = 0.0  # sent once, in the request's first output
     pooled: bytes | None = None  # a pooling request's result: float32 values, native order
+    # An outputs_at_end sequence's token times (time.time()), taken by the core as it went.
+    first_token_time: float = 0.0
+    last_token_time: float = 0.0
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -83,6 +83,8 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         self.priority = priority
         self.first_scheduled_sent = False  # first_scheduled_time goes out once
+        # One output, when it finishes, with every token (EngineCoreRequest.outputs_at_end).
+        self.outputs_at_end = False
         # Structured outputs: the grammar state (ember.structured_output.manager), or None.
         self.structured_output = None
         self._root_hash = salt_root_hash(cache_salt)

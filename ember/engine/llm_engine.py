@@ -17,7 +17,7 @@ from ember.config import EngineArgs
 from ember.core.messages import EngineCoreOutputs
 from ember.engine.core_client import InprocCoreClient, MPCoreClient
 from ember.engine.engine_control import EngineControlMixin
-from ember.engine.output_processor import OutputProcessor
+from ember.engine.output_processor import OutputProcessor, outputs_at_end
 from ember.engine.processor import InputProcessor
 from ember.inputs import PromptType
 from ember.model_resolution import load_engine_tokenizer
@@ -135,6 +135,11 @@ class LLMEngine(EngineControlMixin):
             [r.sampling_params for r in core_requests], arrival_time)
         if self.stats_tracker is not None:
             self.stats_tracker.add([r.request_id for r in core_requests], len(ids), arrival_time)
+        elif outputs_at_end(params):
+            # Nothing is read of it before it ends: the core sends its tokens once, then, and
+            # neither side touches it per step (an abort's final output has no tokens).
+            for request in core_requests:
+                request.outputs_at_end = True
         self.client.add_requests(core_requests)
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:

@@ -64,6 +64,14 @@ class ParentState:
     delta: bool = False
 
 
+def outputs_at_end(params: SamplingParams) -> bool:
+    """Whether nothing of a request is needed before it ends, so the engine core can send its
+    tokens once, as it finishes (EngineCoreRequest.outputs_at_end): final outputs only, and
+    nothing checked or collected per token here (stop strings, logprobs, prompt logprobs)."""
+    return (params.output_kind == RequestOutputKind.FINAL_ONLY and params.logprobs is None
+            and params.prompt_logprobs is None and not params.stop)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -169,6 +177,9 @@ class OutputProcessor:
                     if stop_str is not None and out.finish_reason is None:
                         child.finish_reason, child.stop_reason = "stop", stop_str
                         stopped.append(child.request_id)
+            if out.first_token_time:  # an outputs-at-end sequence: the core's token times
+                child.first_token_time = out.first_token_time
+                child.last_token_time = out.last_token_time
             if out.finish_reason is not None and child.finish_reason is None:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             if out.num_cached_tokens >= 0:
