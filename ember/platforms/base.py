@@ -163,12 +163,6 @@ class Platform:
         (and a platform that cannot) returns None: copies from it stay ordinary."""
         return None
 
-    def copy_to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Start copying a host tensor to the device without waiting; work queued after this
-        call sees the copy. The host tensor must stay as it is until that work is done. The
-        default is a non-blocking ``.to(device)`` (queued behind the device's earlier work)."""
-        return tensor.to(self.device(), non_blocking=True)
-
     def copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Start copying a device tensor to the host without waiting. The result may be read once
         an event recorded after this call has been synchronized. The default copies at once (and

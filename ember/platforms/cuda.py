@@ -79,7 +79,6 @@ class CudaPlatform(Platform):
     default_dtype: ClassVar[str] = "bfloat16"
     async_scheduling_default: ClassVar[bool] = True
     supports_cuda_graphs: ClassVar[bool] = True
-    _copy_stream: Any = None  # copy_to_device's stream, made on first use
 
     def supports_fp8(self) -> bool:
         """fp8 conversions and tensor cores: compute capability 8.9 (Ada) or newer."""
@@ -175,22 +174,6 @@ class CudaPlatform(Platform):
                            error)
             return None
         return lambda: cudart.cudaHostUnregister(pointer)
-
-    def copy_to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        import torch
-
-        # On a stream of its own, the copy runs beside the work already queued (the forward
-        # a grammar bitmask's sampling follows), not after it; the current stream waits for
-        # it, and the copy's memory is kept until the current stream's work is done.
-        device = self.device()
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device)
-        current = torch.cuda.current_stream(device)
-        with torch.cuda.stream(self._copy_stream):
-            copy = tensor.to(device, non_blocking=True)
-        current.wait_stream(self._copy_stream)
-        copy.record_stream(current)
-        return copy
 
     def copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type == "cpu":

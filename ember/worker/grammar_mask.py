@@ -81,7 +81,7 @@ class GrammarMasks:
         if self.platform.device_is_host():
             return torch.from_numpy(bitmask), device_rows, row_list
         if row_list is None and grammar.bitmask.is_pinned():  # filled in place (see below)
-            return self.platform.copy_to_device(grammar.bitmask), device_rows, row_list
+            return grammar.bitmask.to(self.device, non_blocking=True), device_rows, row_list
         return self._pinned_to_device(bitmask), device_rows, row_list
 
     def masked_logits(self, logits: torch.Tensor, rows: list[CachedRequestState],
@@ -137,7 +137,7 @@ class GrammarMasks:
             # no copy on this thread; the row map goes after it, unless every row takes its
             # own bitmask row in order (the kernel then needs none).
             return kernels.argmax.argmax_rows(
-                logits, self.platform.copy_to_device(grammar.bitmask),
+                logits, grammar.bitmask.to(self.device, non_blocking=True),
                 None if in_order else self._pinned_to_device(mask_rows))
         bitmask = grammar.bitmask.numpy()
         # One copy for both: the row map, then the bitmask.
@@ -162,4 +162,4 @@ class GrammarMasks:
             start += array.size
         if len(arrays) == 1:
             host = host.view(arrays[0].shape)
-        return self.platform.copy_to_device(host)
+        return host.to(self.device, non_blocking=True)
