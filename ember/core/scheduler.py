@@ -315,10 +315,22 @@ class Scheduler:
             )
 
     # ---- results -----------------------------------------------------------------------
+    @staticmethod
+    def grammar_tokens(out: SchedulerOutput, result: ModelRunnerOutput,
+                       ) -> list[tuple[Request, int]]:
+        """The step's tokens that update_from_output will hand to grammars, in its order: those
+        of requests under a grammar that it will append (not finished meanwhile)."""
+        sampled, finished = result.sampled_token_ids, RequestStatus.FINISHED_STOPPED
+        return [(request, sampled[request.request_id]) for request in out.scheduled_requests
+                if request.structured_output is not None and request.status < finished
+                and request.request_id in sampled]
+
     def update_from_output(
-        self, out: SchedulerOutput, result: ModelRunnerOutput
+        self, out: SchedulerOutput, result: ModelRunnerOutput, grammar_tokens_taken: bool = False
     ) -> list[Request]:
-        """Advance progress, append sampled tokens, finish requests; returns those with news."""
+        """Advance progress, append sampled tokens, finish requests; returns those with news.
+        ``grammar_tokens_taken``: the grammar process was given grammar_tokens(out, result)
+        already (they are not recorded again)."""
         now = time.time()
         touched: list[Request] = []
         constrained: list[tuple[Request, int]] = []  # requests whose grammar takes the token
@@ -356,7 +368,7 @@ class Scheduler:
                     self._remove(request)
                     self._free(request)
             touched.append(request)
-        if recorded:
+        if recorded and not grammar_tokens_taken:
             self.structured_output.accept_many(recorded)
         if constrained:
             ended = {id(r) for r in self.structured_output.accept_many(constrained)}
