@@ -196,7 +196,11 @@ class EngineCoreLoop:
             stats = self.core.scheduler_stats()
             self.last_stats = now
         if len(self.clients) <= 1 and self.clients:
-            # One client: every output is its own, send as is.
+            # One client: every output is its own, send as is (nothing, when a step had no
+            # news: its sequences send their tokens at their end, EngineCoreRequest.
+            # outputs_at_end, and no stats are due).
+            if not outputs.outputs and stats is None:
+                return
             outputs.scheduler_stats = stats
             self._send_to(self.clients[0], outputs)
             self._forget_finished(outputs.outputs)
