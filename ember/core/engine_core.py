@@ -339,20 +339,19 @@ class EngineCore(EngineCoreControl):
         """The step's results into the requests, and the outputs. ``after_update`` (sending
         the next fill) runs once the grammars have the step's tokens: before the outputs are
         made, and with a grammar process before the requests take the tokens too."""
-        scheduler = self.scheduler
-        if after_update is not None and self.structured_output.uses_process:
-            # The grammar process needs only the step's tokens: its fill goes first, and runs
-            # while the requests take them (the fill is a step's critical path once the engine
-            # thread's own work is short).
-            self.structured_output.accept_many(scheduler.grammar_tokens(plan, result))
-            after_update()
-            touched = scheduler.update_from_output(plan, result, grammar_tokens_taken=True)
-            self.timer.mark("update")
-        else:
-            touched = scheduler.update_from_output(plan, result)
-            self.timer.mark("update")
+        scheduler, structured = self.scheduler, self.structured_output
+        if structured.uses_process:
+            # The process needs only the step's tokens: they go first, and the next fill with
+            # them, which runs while the requests take the tokens (the fill is a step's
+            # critical path once the engine thread's own work is short).
+            structured.accept_many(scheduler.grammar_tokens(plan, result))
             if after_update is not None:
                 after_update()
+                after_update = None
+        touched = scheduler.update_from_output(plan, result)
+        self.timer.mark("update")
+        if after_update is not None:
+            after_update()
         sampled, logprobs, prompt_logprobs = (
             result.sampled_token_ids, result.logprobs, result.prompt_logprobs)
         outputs = []

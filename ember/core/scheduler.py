@@ -318,26 +318,25 @@ class Scheduler:
     @staticmethod
     def grammar_tokens(out: SchedulerOutput, result: ModelRunnerOutput,
                        ) -> list[tuple[Request, int]]:
-        """The step's tokens that update_from_output will hand to grammars, in its order: those
-        of requests under a grammar that it will append (not finished meanwhile)."""
+        """The step's tokens for a grammar process, in order: those of the requests under a
+        grammar that update_from_output will append them to (not finished meanwhile). The
+        engine core hands them over before the update (see update_from_output)."""
         sampled, finished = result.sampled_token_ids, RequestStatus.FINISHED_STOPPED
         return [(request, sampled[request.request_id]) for request in out.scheduled_requests
                 if request.structured_output is not None and request.status < finished
                 and request.request_id in sampled]
 
     def update_from_output(
-        self, out: SchedulerOutput, result: ModelRunnerOutput, grammar_tokens_taken: bool = False
+        self, out: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[Request]:
         """Advance progress, append sampled tokens, finish requests; returns those with news.
-        ``grammar_tokens_taken``: the grammar process was given grammar_tokens(out, result)
-        already (they are not recorded again)."""
+        With a grammar process the grammars' tokens are not handled here: the engine core
+        hands the process grammar_tokens(out, result) first, and no request ends by its grammar
+        here, so the stop checks need not wait for the process."""
         now = time.time()
         touched: list[Request] = []
         constrained: list[tuple[Request, int]] = []  # requests whose grammar takes the token
-        # With a grammar process the tokens are only recorded (sent with the next fill): no
-        # request ends by its grammar here, so the stop checks need not wait for the accepts.
-        recorded: list[tuple[Request, int]] = []
-        records_only = self.structured_output is not None and \
+        in_process = self.structured_output is not None and \
             self.structured_output.uses_process
         sampled, max_model_len = result.sampled_token_ids, self.max_model_len
         in_flight = self.in_flight_ids
@@ -359,17 +358,12 @@ class Scheduler:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-            if request.structured_output is not None and not records_only:
+            if request.structured_output is not None and not in_process:
                 constrained.append((request, token))  # ended after the step's grammar advance
-            else:
-                if request.structured_output is not None:
-                    recorded.append((request, token))
-                if request.check_stop(max_model_len):
-                    self._remove(request)
-                    self._free(request)
+            elif request.check_stop(max_model_len):
+                self._remove(request)
+                self._free(request)
             touched.append(request)
-        if recorded and not grammar_tokens_taken:
-            self.structured_output.accept_many(recorded)
         if constrained:
             ended = {id(r) for r in self.structured_output.accept_many(constrained)}
             for request, _ in constrained:
