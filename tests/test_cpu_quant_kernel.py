@@ -54,6 +54,20 @@ def test_a_row_does_not_depend_on_its_batch(bits):
     assert torch.equal(Q.quant_linear(x.bfloat16(), blocks, 100, bits), batch)
 
 
+def test_a_long_batch_in_row_blocks_keeps_each_row():
+    """Past ROW_BLOCK (192) rows the tiles pass over the rows a block at a time: rows of every
+    block, the last one short, equal their one-row calls, with one thread and two."""
+    blocks, w = _case(40, 96, seed=3)
+    x = torch.randn(401, 96)
+    batch = Q.quant_linear(x, blocks, 40, threads=1)
+    for i in (0, 191, 192, 383, 384, 400):
+        assert torch.equal(Q.quant_linear(x[i:i + 1], blocks, 40)[0], batch[i])
+    assert torch.equal(Q.quant_linear(x, blocks, 40, threads=2), batch)
+    want = x.to(torch.bfloat16).double() @ w.double().T
+    scale = (x.to(torch.bfloat16).double().abs() @ w.double().abs().T).max()
+    assert (batch.double() - want).abs().max() <= 1e-6 * scale
+
+
 def test_threads_do_not_change_a_bit():
     blocks, _ = _case(200, 128)
     x = torch.randn(19, 128)

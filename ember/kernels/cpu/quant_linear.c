@@ -15,8 +15,11 @@
  * Per tile the codes are widened once into a buffer (exact small integers in bfloat16), then
  * every row of x, 12 rows at a time, takes each group's dot with them, summed from zero in
  * float32, and folds it into its 16 outputs as y = fma(dot, d, y), then y = fma(m, sum of the
- * group's x, y). A row's arithmetic is the same whatever the number of rows, so its result does
- * not depend on the batch it came in.
+ * group's x, y) (the group's sum of x as rounded, in a fixed tree: group_sum_tree). A row's
+ * arithmetic is the same whatever the number of rows, so its result does not depend on the
+ * batch it came in. A long batch (a prefill chunk) goes through the tiles ROW_BLOCK rows at a
+ * time, so those rows stay in L2 while every tile passes over them (a 2,048-row gate_up: 24.2
+ * against 28.4 ms with the tiles over all rows at once, one thread).
  *
  * Without AVX512-BF16 the same arithmetic runs in plain C (the dot's two products are exact in
  * float32 and added odd then even, as VDPBF16PS does): bit for bit the same results but for
@@ -34,6 +37,7 @@
 #define GROUP 32
 #define PAIRS (GROUP / 2)
 #define HEADER_BYTES 64
+#define ROW_BLOCK 192  /* 192 rows of 1,536 bfloat16 inputs: 590 KB, inside a 1 MB L2 */
 #define ROWS 12  /* 12 independent dot chains: the dot's latency hidden (8 left it exposed) */
 
 int ember_quant_native(void) {
@@ -87,22 +91,48 @@ static uint16_t to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* The sum of a group's 32 rounded values, as a fixed tree: lanes j and j + 16 first, then
+ * halves of what is left (the vector code's order; the plain C build adds the same way). */
+static float group_sum_tree(float *t) {
+    for (int width = 8; width >= 1; width /= 2)
+        for (int j = 0; j < width; j++) t[j] += t[j + width];
+    return t[0];
+}
+
 /* x rounded to bfloat16 into xb [rows, k] (contiguous), and each row's sum of it over each
- * group (float32, in input order) into sums [rows, groups]. */
+ * group (float32, group_sum_tree's order) into sums [rows, groups]. */
 static void round_and_sum(const float *x, int64_t x_stride, int rows, int k, uint16_t *xb,
                           float *sums, int threads) {
     int groups = k / GROUP;
     /* Rows are independent: the threads split them once there are enough to pay for it. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= 64)
     for (int i = 0; i < rows; i++) {
-        const uint16_t *row = xb + (int64_t)i * k;
-        float *row_sums = sums + i * groups;
-        for (int j = 0; j < k; j++) xb[(int64_t)i * k + j] = to_bf16(x[i * x_stride + j]);
-        /* Each group's sum in its order (j = 0, 1, ...: the same float result), the groups
-         * side by side: independent additions, not one chain of dependent ones. */
-        for (int g = 0; g < groups; g++) row_sums[g] = 0.0f;
-        for (int j = 0; j < GROUP; j++)
-            for (int g = 0; g < groups; g++) row_sums[g] += from_bf16(row[g * GROUP + j]);
+        const float *in = x + i * x_stride;
+        uint16_t *out = xb + (int64_t)i * k;
+        float t[16];
+        for (int g = 0; g < groups; g++) {
+#ifdef __AVX512BF16__
+            /* to_bf16 on 16 lanes: round to nearest even, NaNs quieted */
+            __m512 rounded[2];
+            for (int h = 0; h < 2; h++) {
+                __m512i u = _mm512_loadu_si512((const void *)(in + g * GROUP + 16 * h));
+                __mmask16 nan = _mm512_cmpgt_epu32_mask(
+                    _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+                __m512i even = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+                __m512i r = _mm512_srli_epi32(
+                    _mm512_add_epi32(u, _mm512_add_epi32(even, _mm512_set1_epi32(0x7FFF))), 16);
+                r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+                _mm256_storeu_si256((__m256i *)(out + g * GROUP + 16 * h), _mm512_cvtepi32_epi16(r));
+                rounded[h] = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+            }
+            _mm512_storeu_ps(t, _mm512_add_ps(rounded[0], rounded[1]));
+#else
+            for (int j = 0; j < GROUP; j++) out[g * GROUP + j] = to_bf16(in[g * GROUP + j]);
+            for (int j = 0; j < 16; j++)
+                t[j] = from_bf16(out[g * GROUP + j]) + from_bf16(out[g * GROUP + 16 + j]);
+#endif
+            sums[i * groups + g] = group_sum_tree(t);
+        }
     }
 }
 
@@ -261,19 +291,25 @@ int ember_quant_linear(const float *x, int64_t x_stride, const uint8_t *blocks, 
         return -1;
     }
     round_and_sum(x, x_stride, rows, k, xb, sums, threads);
+    for (int r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+        int block_rows = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
+        const uint32_t *block_x = (const uint32_t *)xb + (int64_t)r0 * (k / 2);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles > 1)
-    for (int t = 0; t < tiles; t++) {
-        uint16_t *buf = (uint16_t *)(bufs + buf_stride * (size_t)omp_get_thread_num());
-        const uint8_t *tile = blocks + (size_t)t * groups * block_bytes;
-        int width = n - t * TILE < TILE ? n - t * TILE : TILE;
-        /* One pass of rows widens each group as it goes (the codes stay in L1); more passes
-         * widen the tile once into buf and reuse it. The same arithmetic either way. */
-        int passes = (rows + ROWS - 1) / ROWS;
-        if (passes > 1)
-            for (int g = 0; g < groups; g++)
-                widen(tile + (size_t)g * block_bytes, block_bytes, buf + (size_t)g * PAIRS * 32);
-        tile_all_rows(passes > 1 ? buf : NULL, tile, block_bytes, groups, (const uint32_t *)xb, k / 2, sums,
-                      y + t * TILE, y_stride, rows, width);
+        for (int t = 0; t < tiles; t++) {
+            uint16_t *buf = (uint16_t *)(bufs + buf_stride * (size_t)omp_get_thread_num());
+            const uint8_t *tile = blocks + (size_t)t * groups * block_bytes;
+            int width = n - t * TILE < TILE ? n - t * TILE : TILE;
+            /* One pass of rows widens each group as it goes (the codes stay in L1); more passes
+             * widen the tile once into buf and reuse it. The same arithmetic either way. */
+            int passes = (block_rows + ROWS - 1) / ROWS;
+            if (passes > 1)
+                for (int g = 0; g < groups; g++)
+                    widen(tile + (size_t)g * block_bytes, block_bytes,
+                          buf + (size_t)g * PAIRS * 32);
+            tile_all_rows(passes > 1 ? buf : NULL, tile, block_bytes, groups, block_x, k / 2,
+                          sums + (int64_t)r0 * groups, y + (int64_t)r0 * y_stride + t * TILE,
+                          y_stride, block_rows, width);
+        }
     }
     free(sums);
     free(xb);
