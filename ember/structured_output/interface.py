@@ -19,6 +19,7 @@ Importing this module imports neither torch nor a grammar library.
 
 from __future__ import annotations
 
+import functools
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -96,20 +97,19 @@ class GrammarSpec:
         )
 
 
-_sorted_encoder: Any = None
+@functools.cache
+def _sorted_encoder() -> Any:
+    import msgspec
+
+    return msgspec.json.Encoder(order="sorted")
 
 
 def _canonical_json(value: Any) -> str:
     """JSON text with sorted keys: equal values give equal text. msgspec's encoder (about a
     tenth of json.dumps' time, a request's schema being canonicalized as it is added), or
     json.dumps for what it refuses (keys that are not strings)."""
-    global _sorted_encoder
-    if _sorted_encoder is None:
-        import msgspec
-
-        _sorted_encoder = msgspec.json.Encoder(order="sorted")
     try:
-        return _sorted_encoder.encode(value).decode()
+        return _sorted_encoder().encode(value).decode()
     except (TypeError, ValueError):
         return json.dumps(value, sort_keys=True, ensure_ascii=False)
 

@@ -308,10 +308,10 @@ class StructuredOutputManager(BitmaskFilling):
     def accept_many(self, sampled: list[tuple[Request, int]]) -> list[Request]:
         """Advance each request's grammar by its sampled token (a step's tokens, after each is
         appended to its request; with a grammar process only recorded, before that, for the
-        next fill: Scheduler.grammar_tokens): each backend takes its rows in one call (xgrammar's: one
-        native call for the rows). Returns the requests the grammar finished: complete (status
-        FINISHED_STOPPED) or refusing the token (FINISHED_ABORTED, logged; it cannot happen
-        with the mask applied)."""
+        next fill: Scheduler.grammar_tokens): each backend takes its rows in one call
+        (xgrammar's: one native call for the rows). Returns the requests the grammar
+        finished: complete (status FINISHED_STOPPED) or refusing the token (FINISHED_ABORTED,
+        logged; it cannot happen with the mask applied)."""
         if self._process is not None:  # the next fill sends them (see use_process)
             keys, tokens = self._accepts
             keys += [request.structured_output.grammar.key for request, _ in sampled]
