@@ -1,5 +1,5 @@
 """4-bit weights (ember.quantization.int4_common) and their kernels (ember.kernels.int4_gemv,
-int4_dequant) against independent unpackings of the published layouts and a float reference.
+int4_mma, int4_dequant) against independent unpackings of the published layouts and a float reference.
 
 The packers are checked against the formats' documented bit orders, written here a second way
 (per nibble with numpy): AWQ puts column 8c + j of a pack at bit 4 * [0, 4, 1, 5, 2, 6, 3, 7][j]
@@ -29,6 +29,7 @@ from ember.kernels.int4_gemv import (  # noqa: E402
     int4_gemv_config,
     row_sub_tile,
 )
+from ember.kernels.int4_mma import int4_mma, int4_mma_supported  # noqa: E402
 from ember.kernels.tuning import (  # noqa: E402
     DeviceTuning,
     Int4GemvConfig,
@@ -220,6 +221,34 @@ def test_int4_gemv_rows(dtype, m, n, k, group, config):
     assert torch.equal(int4_gemv(wide[:, :k], qw, qz, s, group, b, config=config), got)
 
 
+@pytest.mark.parametrize("m,n,k,group,block_n,split_k,bias", [
+    (1, 64, 256, 128, 64, 1, True),  # one row, two tiles of K
+    (3, 200, 512, 128, 64, 2, False),  # N not a multiple of the tile; K split in two
+    (16, 136, 384, 384, 64, 3, True),  # 16 rows; one group over all of K; three splits
+    (5, 128, 1024, 256, 128, 0, False),  # groups of two tiles; the automatic split
+])
+def test_int4_mma(m, n, k, group, block_n, split_k, bias):
+    """The tensor-core kernel (bfloat16 rows; under the interpreter its integer twin) against
+    the float reference, with the one-rounding bound of the GEMV."""
+    n = n // 8 * 8
+    qw, qz, s, w = _awq_case(k, n, group, torch.float16)
+    x = _x(m, k, torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16).to(DEV) if bias else None
+    got = int4_mma(x, qw, qz, s, group, b, block_n=block_n, split_k=split_k)
+    _check(got, x.float() @ w + (b.float() if bias else 0.0), torch.bfloat16)
+    # A row view with a stride past K (a slice of a wider tensor) reads the same.
+    wide = torch.zeros(m, k + 8, dtype=torch.bfloat16, device=DEV)
+    wide[:, :k] = x
+    assert torch.equal(int4_mma(wide[:, :k], qw, qz, s, group, b, block_n=block_n,
+                                split_k=split_k), got)
+
+
+def test_int4_mma_takes_whole_tiles_inside_groups():
+    assert int4_mma_supported(4096, 128) and int4_mma_supported(4096, 4096)
+    assert not int4_mma_supported(4096, 64)  # a 128-row tile would straddle two groups
+    assert not int4_mma_supported(96, 96)  # not whole tiles
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,k,group", [(40, 128, 32), (24, 96, 96), (64, 512, 128), (16, 96, 48)])
 def test_int4_dequantize_equals_the_reference(dtype, n, k, group):
@@ -255,11 +284,14 @@ LLAMA8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", LLAMA8B)
-@pytest.mark.parametrize("m", [1, 3, 4, 256])
+@pytest.mark.parametrize("m", [1, 3, 4, 16, 256])
 def test_int4_kernels_llama8b_shapes_bf16(k, n, m):
     qw, qz, s, w = _awq_case(k, n, 128, torch.bfloat16)
     x = _x(m, k, torch.bfloat16)
     want = x.float() @ w
+    if m <= 16:
+        _check(int4_mma(x, qw, qz, s, 128), want, torch.bfloat16)
+        _check(int4_mma(x, qw, qz, s, 128, block_n=256, split_k=1), want, torch.bfloat16)
     if m <= MAX_ROWS:
         _check(int4_gemv(x, qw, qz, s, 128), want, torch.bfloat16)
         _check(int4_gemv(x, qw, qz, s, 128, config=(64, 128, 2, 4, 1)), want, torch.bfloat16)

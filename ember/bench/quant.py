@@ -202,7 +202,7 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=ns.max_model_len,
                   skip_tokenizer_init=True, gpu_memory_utilization=0.9)
         path = ns.model
-        if method == "awq":
+        if method in ("awq", "awq-gemv"):
             path = _awq_dir(ns.model)
         if method in ("fp8", "fp8-self-quant", "fp8-exact-accum", "fp8-fp8kv"):
             kw["quantization"] = "fp8"
@@ -212,10 +212,12 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         # fp8-self-quant: each fp8 layer quantizes its own input (the norms and SiLU-and-mul
         # write half precision), the path before quantized producers.
         # fp8-exact-accum: cuBLASLt's fp8 GEMMs promote their partial sums to float32 (no fast
-        # accumulation).
+        # accumulation). awq-gemv: the 4-bit layers on the CUDA cores (int4_gemv), not the
+        # tensor cores.
         config = dataclasses.replace(kernel_config(),
                                      quantized_producers=method != "fp8-self-quant",
-                                     fp8_fast_accumulation=method != "fp8-exact-accum")
+                                     fp8_fast_accumulation=method != "fp8-exact-accum",
+                                     int4_tensor_cores=method != "awq-gemv")
         start = time.perf_counter()
         with use_kernel_config(config):
             llm = LLM(path, **kw)
@@ -261,7 +263,7 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         del llm, runner
         gc.collect()
         torch.cuda.empty_cache()
-        if method == "awq":
+        if method in ("awq", "awq-gemv"):
             shutil.rmtree(path, ignore_errors=True)
     base = results["methods"].get("bf16")
     if base:
@@ -289,8 +291,8 @@ def main() -> None:
     e = sub.add_parser("engine")
     e.add_argument("--model", default="ember/configs/llama-3.1-8b")
     e.add_argument("--methods", nargs="+", default=["bf16", "fp8", "awq"],
-                   choices=["bf16", "fp8", "fp8-exact-accum", "fp8-self-quant", "awq", "fp8kv",
-                            "fp8-fp8kv"])
+                   choices=["bf16", "fp8", "fp8-exact-accum", "fp8-self-quant", "awq",
+                            "awq-gemv", "fp8kv", "fp8-fp8kv"])
     e.add_argument("--num-prompts", type=int, default=256)
     e.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
     e.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])

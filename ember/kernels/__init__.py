@@ -10,6 +10,7 @@
     small_batch_linear  weight-streaming linear layer for up to 16 rows
     fused_moe           mixture-of-experts routing, expert sort and grouped GEMMs
     moe_decode          the mixture-of-experts layer for one token: two kernels, no sort
+    int4_mma            4-bit (AWQ/GPTQ) linear layer for 1-16 rows on the tensor cores
     int4_gemv           4-bit (AWQ/GPTQ) linear layer for 1-4 rows, weight streaming
     int4_dequant        4-bit (AWQ/GPTQ) weight written out dense, for cuBLAS above 4 rows
     fp8_quant           dynamic per-token float8 quantization of activations (W8A8 layers)
@@ -49,6 +50,7 @@ OPS = (
     "small_batch_linear",
     "fused_moe",
     "moe_decode",
+    "int4_mma",
     "int4_gemv",
     "int4_dequant",
     "fp8_quant",

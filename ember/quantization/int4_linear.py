@@ -3,8 +3,9 @@
 ``qweight`` [N, K/8], ``qzeros`` [G, N/8], ``scales`` [G, N], and ``perm`` for GPTQ's desc_act), and
 computes it:
 
-- on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_gemv`` for up
-  to 4 rows (decoding a few sequences); more rows, the weight dequantized for the call
+- on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_mma`` on the
+  tensor cores for up to 16 bfloat16 rows (decoding a few sequences; whole 128-row tiles per
+  group), else ``int4_gemv`` for up to 4 rows; more rows, the weight dequantized for the call
   (``int4_dequant``) and cuBLAS;
 - elsewhere (the CPU) in torch: the weight is dequantized for the call and multiplied. That
   saves memory, not time (the CPU's fast 4-bit path is GGUF's).
@@ -71,7 +72,12 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         # the call and cuBLAS multiplies (as vLLM's AWQ layer does from 256 rows): on an H200
         # that beat 4-bit tensor-core kernels at 4-256 rows, and the GEMV beats it 1.9-3.5x
         # at 2-4 rows (docs/benchmarks.md).
-        if x2.shape[0] <= kernels.int4_gemv.MAX_ROWS:
+        rows = x2.shape[0]
+        if (rows <= kernels.int4_mma.MAX_ROWS and x2.dtype == torch.bfloat16
+                and kernels.int4_mma.int4_mma_supported(x2.shape[1], group_size)
+                and kernels.kernel_config().int4_tensor_cores):
+            y = kernels.int4_mma.int4_mma(x2, qweight, qzeros, scales, group_size, bias)
+        elif rows <= kernels.int4_gemv.MAX_ROWS:
             y = kernels.int4_gemv.int4_gemv(x2, qweight, qzeros, scales, group_size, bias)
         else:
             w = kernels.int4_dequant.int4_dequantize(qweight, qzeros, scales, group_size,
