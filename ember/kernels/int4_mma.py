@@ -151,12 +151,20 @@ def int4_mma_supported(k: int, group_size: int) -> bool:
     return k % TILE_K == 0 and group_size % TILE_K == 0
 
 
+def default_block_n(k: int) -> int:
+    """Output columns a program: 256 for a long K (Llama-8B's down projection: 23.5 against
+    27.5 us at 4 rows on an H100), else 128 (qkv, o, gate_up: 3-15% faster than 256);
+    docs/benchmarks.md."""
+    return 256 if k >= 8192 else 128
+
+
 def int4_mma(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-             group_size: int, bias: torch.Tensor | None = None, block_n: int = 128,
-             split_k: int = 0, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+             group_size: int, bias: torch.Tensor | None = None, block_n: int = 0,
+             split_k: int = 0, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] (bfloat16) times the 4-bit weight in ember's form (qweight [N,
-    K/8] column major, qzeros [G, N/8], scales [G, N]). ``split_k`` 0: split K until the grid
-    holds two programs per SM."""
+    K/8] column major, qzeros [G, N/8], scales [G, N]). ``block_n`` 0: ``default_block_n``;
+    ``split_k`` 0: split K until the grid holds two programs per SM. Three pipeline stages
+    measured faster than four or six at every Llama-8B shape."""
     m, k = x.shape
     n = qweight.shape[0]
     assert 1 <= m <= MAX_ROWS and qweight.shape[1] * 8 == k and scales.shape[1] == n
@@ -166,6 +174,7 @@ def int4_mma(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
+    block_n = block_n or default_block_n(k)
     n_tiles = cdiv(n, block_n)
     if split_k == 0:
         split_k = max(1, min(cdiv(2 * num_sms(x.device), n_tiles), k // (2 * TILE_K)))

@@ -3,10 +3,10 @@
 ``qweight`` [N, K/8], ``qzeros`` [G, N/8], ``scales`` [G, N], and ``perm`` for GPTQ's desc_act), and
 computes it:
 
-- on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_mma`` on the
-  tensor cores for up to 16 bfloat16 rows (decoding a few sequences; whole 128-row tiles per
-  group), else ``int4_gemv`` for up to 4 rows; more rows, the weight dequantized for the call
-  (``int4_dequant``) and cuBLAS;
+- on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_gemv`` on the
+  CUDA cores for 1-2 rows (decoding one or two sequences), ``int4_mma`` on the tensor cores
+  for 3-16 bfloat16 rows (whole 128-row tiles inside each group; otherwise ``int4_gemv`` up to
+  4 rows); more rows, the weight dequantized for the call (``int4_dequant``) and cuBLAS;
 - elsewhere (the CPU) in torch: the weight is dequantized for the call and multiplied. That
   saves memory, not time (the CPU's fast 4-bit path is GGUF's).
 
@@ -50,6 +50,9 @@ def replace_weight(layer: Linear, name: str, tensor: torch.Tensor | None,
         layer.register_weight(name, nn.Parameter(tensor, requires_grad=False), attrs or {})
 
 
+GEMV_ROWS = 2  # up to this many rows int4_gemv beats int4_mma (docs/benchmarks.md)
+
+
 def _kernels_take(x: torch.Tensor) -> bool:
     from ember.kernels import dispatch
 
@@ -68,12 +71,13 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     if _kernels_take(x2):
         from ember import kernels
 
-        # Up to 4 rows the GEMV streams the packed weight; more, the weight is dequantized for
-        # the call and cuBLAS multiplies (as vLLM's AWQ layer does from 256 rows): on an H200
-        # that beat 4-bit tensor-core kernels at 4-256 rows, and the GEMV beats it 1.9-3.5x
-        # at 2-4 rows (docs/benchmarks.md).
+        # One or two rows: the CUDA-core GEMV streams the packed weight fastest; 3-16 rows the
+        # tensor-core kernel (its cost grows little with the rows: a Llama-8B layer 86 against
+        # 154 us at 4 rows on an H100, 100 against bf16's 154 at 16); more, the weight is
+        # dequantized for the call and cuBLAS multiplies (as vLLM's AWQ layer does from 256
+        # rows). docs/benchmarks.md.
         rows = x2.shape[0]
-        if (rows <= kernels.int4_mma.MAX_ROWS and x2.dtype == torch.bfloat16
+        if (GEMV_ROWS < rows <= kernels.int4_mma.MAX_ROWS and x2.dtype == torch.bfloat16
                 and kernels.int4_mma.int4_mma_supported(x2.shape[1], group_size)
                 and kernels.kernel_config().int4_tensor_cores):
             y = kernels.int4_mma.int4_mma(x2, qweight, qzeros, scales, group_size, bias)
