@@ -221,26 +221,28 @@ def test_int4_gemv_rows(dtype, m, n, k, group, config):
     assert torch.equal(int4_gemv(wide[:, :k], qw, qz, s, group, b, config=config), got)
 
 
-@pytest.mark.parametrize("m,n,k,group,block_n,split_k,bias", [
-    (1, 64, 256, 128, 64, 1, True),  # one row, two tiles of K
-    (3, 200, 512, 128, 64, 2, False),  # N not a multiple of the tile; K split in two
-    (16, 136, 384, 384, 64, 3, True),  # 16 rows; one group over all of K; three splits
-    (5, 128, 1024, 256, 128, 0, False),  # groups of two tiles; the automatic split
+@pytest.mark.parametrize("m,n,k,group,block_n,split_k,bias,block_m", [
+    (1, 64, 256, 128, 64, 1, True, 0),  # one row, two tiles of K
+    (3, 200, 512, 128, 64, 2, False, 0),  # N not a multiple of the tile; K split in two
+    (16, 136, 384, 384, 64, 3, True, 0),  # 16 rows; one group over all of K; three splits
+    (5, 128, 1024, 256, 128, 0, False, 0),  # groups of two tiles; the automatic split
+    (40, 64, 256, 128, 64, 2, True, 16),  # three tiles of rows, each merging its K splits
+    (70, 128, 256, 128, 64, 1, False, 64),  # 64 rows a program, the second tile short
 ])
-def test_int4_mma(m, n, k, group, block_n, split_k, bias):
+def test_int4_mma(m, n, k, group, block_n, split_k, bias, block_m):
     """The tensor-core kernel (bfloat16 rows; under the interpreter its integer twin) against
     the float reference, with the one-rounding bound of the GEMV."""
     n = n // 8 * 8
     qw, qz, s, w = _awq_case(k, n, group, torch.float16)
     x = _x(m, k, torch.bfloat16)
     b = torch.randn(n).to(torch.bfloat16).to(DEV) if bias else None
-    got = int4_mma(x, qw, qz, s, group, b, block_n=block_n, split_k=split_k)
+    got = int4_mma(x, qw, qz, s, group, b, block_n=block_n, split_k=split_k, block_m=block_m)
     _check(got, x.float() @ w + (b.float() if bias else 0.0), torch.bfloat16)
     # A row view with a stride past K (a slice of a wider tensor) reads the same.
     wide = torch.zeros(m, k + 8, dtype=torch.bfloat16, device=DEV)
     wide[:, :k] = x
     assert torch.equal(int4_mma(wide[:, :k], qw, qz, s, group, b, block_n=block_n,
-                                split_k=split_k), got)
+                                split_k=split_k, block_m=block_m), got)
 
 
 def test_int4_mma_takes_whole_tiles_inside_groups():

@@ -51,6 +51,7 @@ def replace_weight(layer: Linear, name: str, tensor: torch.Tensor | None,
 
 
 GEMV_ROWS = 2  # up to this many rows int4_gemv beats int4_mma (docs/benchmarks.md)
+MMA_ROWS = 16  # up to this many rows int4_mma beats the dequantized weight and cuBLAS
 
 
 def _kernels_take(x: torch.Tensor) -> bool:
@@ -77,7 +78,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         # dequantized for the call and cuBLAS multiplies (as vLLM's AWQ layer does from 256
         # rows). docs/benchmarks.md.
         rows = x2.shape[0]
-        if (GEMV_ROWS < rows <= kernels.int4_mma.MAX_ROWS and x2.dtype == torch.bfloat16
+        if (GEMV_ROWS < rows <= MMA_ROWS and x2.dtype == torch.bfloat16
                 and kernels.int4_mma.int4_mma_supported(x2.shape[1], group_size)
                 and kernels.kernel_config().int4_tensor_cores):
             y = kernels.int4_mma.int4_mma(x2, qweight, qzeros, scales, group_size, bias)
