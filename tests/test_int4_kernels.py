@@ -286,12 +286,12 @@ LLAMA8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", LLAMA8B)
-@pytest.mark.parametrize("m", [1, 3, 4, 16, 256])
+@pytest.mark.parametrize("m", [1, 3, 4, 16, 64, 256])
 def test_int4_kernels_llama8b_shapes_bf16(k, n, m):
     qw, qz, s, w = _awq_case(k, n, 128, torch.bfloat16)
     x = _x(m, k, torch.bfloat16)
     want = x.float() @ w
-    if m <= 16:
+    if m <= 64:
         _check(int4_mma(x, qw, qz, s, 128), want, torch.bfloat16)
         _check(int4_mma(x, qw, qz, s, 128, block_n=256, split_k=1), want, torch.bfloat16)
     if m <= MAX_ROWS:

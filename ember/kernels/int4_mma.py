@@ -164,10 +164,10 @@ def int4_mma(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
              split_k: int = 0, num_warps: int = 4, num_stages: int = 3,
              block_m: int = 0) -> torch.Tensor:
     """x [M, K] (bfloat16) times the 4-bit weight in ember's form (qweight [N, K/8] column
-    major, qzeros [G, N/8], scales [G, N]). ``block_n`` 0: ``default_block_n``; ``block_m``
-    0: 16 rows a program up to 16, else 64; ``split_k`` 0: split K until the grid holds two
-    programs per SM. Three pipeline stages measured faster than four or six at every Llama-8B
-    shape (16 rows)."""
+    major, qzeros [G, N/8], scales [G, N]). ``block_n`` / ``block_m`` 0: up to 16 rows
+    ``default_block_n`` columns and 16 rows a program, else 128 and 32; ``split_k`` 0: split K
+    until the grid holds two programs per SM. Three pipeline stages measured faster than four
+    or six at every Llama-8B shape (16 rows)."""
     m, k = x.shape
     n = qweight.shape[0]
     assert m >= 1 and qweight.shape[1] * 8 == k and scales.shape[1] == n
@@ -177,8 +177,10 @@ def int4_mma(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    block_n = block_n or default_block_n(k)
-    block_m = block_m or (MAX_ROWS if m <= MAX_ROWS else 64)
+    # Past 16 rows 32 rows a program in 128 columns won at Llama-8B's shapes (H100 sweep,
+    # docs/benchmarks.md).
+    block_n = block_n or (default_block_n(k) if m <= MAX_ROWS else 128)
+    block_m = block_m or (MAX_ROWS if m <= MAX_ROWS else 32)
     tiles = cdiv(n, block_n) * cdiv(m, block_m)
     if split_k == 0:
         split_k = max(1, min(cdiv(2 * num_sms(x.device), tiles), k // (2 * TILE_K)))

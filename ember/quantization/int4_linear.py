@@ -51,7 +51,7 @@ def replace_weight(layer: Linear, name: str, tensor: torch.Tensor | None,
 
 
 GEMV_ROWS = 2  # up to this many rows int4_gemv beats int4_mma (docs/benchmarks.md)
-MMA_ROWS = 16  # up to this many rows int4_mma beats the dequantized weight and cuBLAS
+MMA_ROWS = 64  # up to this many rows int4_mma beats the dequantized weight and cuBLAS
 
 
 def _kernels_take(x: torch.Tensor) -> bool:
