@@ -300,18 +300,25 @@ def test_int4_kernels_llama8b_shapes_bf16(k, n, m):
     _check(F.linear(x, int4_dequantize(qw, qz, s, 128, x.dtype)), want, torch.bfloat16)
 
 
-_SM90_SCRIPT = r'''
+_SM90_HEADER = r'''
 import re
 import torch
 from sm90_launch import compile_as_launched
-from ember.kernels import int4_gemv
+from ember.kernels import int4_gemv, int4_mma
 
+
+def random_int4(k, n):
+    """qweight, qzeros, scales of a random [k, n] 4-bit weight in ember's form."""
+    qw = torch.randint(0, 2**31 - 1, (n, k // 8), dtype=torch.int32)
+    qz = torch.randint(0, 2**31 - 1, (k // 128, n // 8), dtype=torch.int32)
+    return qw, qz, torch.rand(k // 128, n).half()
+'''
+
+_SM90_SCRIPT = _SM90_HEADER + r'''
 # qkv and o take 16-byte pack loads in the H200's table, down 8-byte ones.
 for k, n in [(4096, 6144), (4096, 4096), (14336, 4096)]:
     x = torch.randn(1, k).bfloat16()
-    qw = torch.randint(0, 2**31 - 1, (n, k // 8), dtype=torch.int32)
-    qz = torch.randint(0, 2**31 - 1, (k // 128, n // 8), dtype=torch.int32)
-    s = torch.rand(k // 128, n).half()
+    qw, qz, s = random_int4(k, n)
     (consts, ptx), = compile_as_launched(int4_gemv, "_int4_gemv_kernel",
                                          lambda: int4_gemv.int4_gemv(x, qw, qz, s, 128))
     assert consts["X_WORDS"] and consts["PACKED_HALF"], consts
@@ -347,20 +354,13 @@ def test_int4_gemv_compiles_to_wide_loads_for_sm90():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
-_SM90_MMA_SCRIPT = r'''
-import re
-import torch
-from sm90_launch import compile_as_launched
-from ember.kernels import int4_mma
-
+_SM90_MMA_SCRIPT = _SM90_HEADER + r'''
 # qkv (128 columns a program) and down (256): the weight operand is unpacked in the wgmma's
 # register layout (no trip through shared memory by the threads: the only shared stores are
 # the pipeline's cp.async copies), four lop3 a pack, eight dots a tile per 64 columns.
 for k, n in [(4096, 6144), (14336, 4096)]:
     x = torch.randn(4, k).bfloat16()
-    qw = torch.randint(0, 2**31 - 1, (n, k // 8), dtype=torch.int32)
-    qz = torch.randint(0, 2**31 - 1, (k // 128, n // 8), dtype=torch.int32)
-    s = torch.rand(k // 128, n).half()
+    qw, qz, s = random_int4(k, n)
     (consts, ptx), = compile_as_launched(int4_mma, "_int4_mma_kernel",
                                          lambda: int4_mma.int4_mma(x, qw, qz, s, 128))
     block_n = consts["BLOCK_N"]
