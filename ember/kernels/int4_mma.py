@@ -1,11 +1,12 @@
-"""int4_mma: a 4-bit (AWQ / GPTQ) linear layer for up to 16 rows on the tensor cores.
+"""int4_mma: a 4-bit (AWQ / GPTQ) linear layer for a few rows on the tensor cores.
 
 Decoding, a 4-bit layer is a read of its weight, and the CUDA-core GEMV (ember.kernels.int4_gemv)
-spends its issue slots on multiply-adds. Here the products run on the tensor cores (wgmma), the
-operands swapped as in ember.kernels.fp8_gemv: the weight tile [BLOCK_N, 16] is the first
-operand, held in registers, the rows (padded to 16) the second. Triton pipelines the weight's
-packs into shared memory (cp.async, NUM_STAGES deep) and loads them straight into the dot's
-register layout, so nothing is unpacked through shared memory.
+spends its issue slots on multiply-adds, one more row costing as much as the first. Here the
+products run on the tensor cores (wgmma), the operands swapped as in ember.kernels.fp8_gemv:
+the weight tile [BLOCK_N, 16] is the first operand, held in registers, the rows (padded to 16,
+or in tiles of 32 past 16) the second. Triton pipelines the weight's packs into shared memory
+(cp.async, NUM_STAGES deep) and loads them straight into the dot's register layout, so nothing
+is unpacked through shared memory.
 
 A K step is one 128-row tile of a group: 16 packs a column of ember's form (int4_common: pack
 r holds rows 8r + 2s and 8r + 2s + 1 in bits 4s and 16 + 4s). Its product is eight dots of 16
@@ -17,8 +18,9 @@ j multiplies rows 16 (kk // 2) + 8w + 2s + kk % 2 (kk = 0..15) of the tile, whic
 gathers (x is small and cached). Products are exact and summed in float32; the group's scale
 multiplies each tile's sum: the dequantized weight is never rounded.
 
-Grid (output tiles, K splits): K splits merge in the kernel (ember.kernels.split_k). Under
-TRITON_INTERPRET the unpacking runs in plain integer ops (the same arithmetic).
+Grid (output tiles, K splits, row tiles): K splits merge in the kernel (ember.kernels.split_k).
+Under TRITON_INTERPRET the unpacking runs in plain integer ops (the same arithmetic). Which
+layer sizes take this kernel: ember.quantization.int4_linear.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ import triton.language as tl
 from ember.kernels.launch import cdiv, compiled_for_gpu, num_sms, pdl_options
 from ember.kernels.split_k import split_k_launch, split_k_total
 
-MAX_ROWS = 16
+SMALL_BATCH_ROWS = 16  # up to this many rows one program takes them all (Triton's narrowest wgmma)
 TILE_K = 128  # rows of K a step: 16 packs a column
 
 
 # One wgmma register of dot j = 4w + s from a thread's two packs (words 2u, 2u + 1 of the
-# tile): the lop3 of word w shifted by 4s, as bfloat16 128 + q, minus 128 (exact).
+# tile): the lop3 of word w shifted by 4s, the bfloat16 pair 128 + q, minus the pair 128 + z of
+# the column's zero point ($3): q - z exactly.
 _ASM = """{{
     .reg .b32 sh, t;
     {shift}
@@ -55,9 +58,10 @@ _ASM_ROWS = tuple(_asm_for(j) for j in range(8))
 @triton.jit
 def _dot_operand(packs, zeros2, qw_tile_ptr, offs_n, n_mask, K8, J: tl.constexpr, ASM: tl.constexpr,
                  ON_GPU: tl.constexpr):
-    """Dot J's weight operand [BLOCK_N, 16] bfloat16, the integers q of rows 16J.. of the tile:
-    on a GPU unpacked from the tile's packs in their register layout (pack=2: a thread's two
-    neighbouring packs); otherwise gathered from the packs in memory, in float32."""
+    """Dot J's weight operand [BLOCK_N, 16], q - z of the tile's rows that dot J multiplies
+    (``_x_slice``): on a GPU bfloat16 unpacked from the tile's packs in their register layout
+    (pack=2: a thread's two neighbouring packs); otherwise gathered from the packs in memory,
+    in float32."""
     if ON_GPU:
         return tl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [packs, zeros2], dtype=tl.bfloat16,
                                          is_pure=True, pack=2)
@@ -90,9 +94,7 @@ def _int4_mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, 
                      M, N, K, k_per_split, stride_x, stride_o, GROUP: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
                      NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, ON_GPU: tl.constexpr,
-                     A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
-                     A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr,
-                     PDL: tl.constexpr):
+                     ASMS: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -118,22 +120,11 @@ def _int4_mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, 
         # (128 + z) twice, as the bfloat16 pair each unpacked register takes off
         zeros2 = tl.broadcast_to(((z | 0x4300) * 0x10001)[:, None], [BLOCK_N, 16])
         tile = qw_ptr + k0 // 8
-        x0 = _x_slice(x_ptr, offs_m, m_mask, stride_x, k0, 0, ON_GPU)
-        x1 = _x_slice(x_ptr, offs_m, m_mask, stride_x, k0, 1, ON_GPU)
-        x2 = _x_slice(x_ptr, offs_m, m_mask, stride_x, k0, 2, ON_GPU)
-        x3 = _x_slice(x_ptr, offs_m, m_mask, stride_x, k0, 3, ON_GPU)
-        x4 = _x_slice(x_ptr, offs_m, m_mask, stride_x, k0, 4, ON_GPU)
-        x5 = _x_slice(x_ptr, offs_m, m_mask, stride_x, k0, 5, ON_GPU)
-        x6 = _x_slice(x_ptr, offs_m, m_mask, stride_x, k0, 6, ON_GPU)
-        x7 = _x_slice(x_ptr, offs_m, m_mask, stride_x, k0, 7, ON_GPU)
-        part = tl.dot(_dot_operand(packs, zeros2, tile, offs_n, n_mask, K8, 0, A0, ON_GPU), x0)
-        part = tl.dot(_dot_operand(packs, zeros2, tile, offs_n, n_mask, K8, 1, A1, ON_GPU), x1, part)
-        part = tl.dot(_dot_operand(packs, zeros2, tile, offs_n, n_mask, K8, 2, A2, ON_GPU), x2, part)
-        part = tl.dot(_dot_operand(packs, zeros2, tile, offs_n, n_mask, K8, 3, A3, ON_GPU), x3, part)
-        part = tl.dot(_dot_operand(packs, zeros2, tile, offs_n, n_mask, K8, 4, A4, ON_GPU), x4, part)
-        part = tl.dot(_dot_operand(packs, zeros2, tile, offs_n, n_mask, K8, 5, A5, ON_GPU), x5, part)
-        part = tl.dot(_dot_operand(packs, zeros2, tile, offs_n, n_mask, K8, 6, A6, ON_GPU), x6, part)
-        part = tl.dot(_dot_operand(packs, zeros2, tile, offs_n, n_mask, K8, 7, A7, ON_GPU), x7, part)
+        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for j in tl.static_range(8):
+            part = tl.dot(_dot_operand(packs, zeros2, tile, offs_n, n_mask, K8, j,
+                                          tl.constexpr(ASMS[j]), ON_GPU),
+                          _x_slice(x_ptr, offs_m, m_mask, stride_x, k0, j, ON_GPU), part)
         acc += part * scale[:, None]
     offsets = offs_m[None, :] * N + offs_n[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
@@ -179,18 +170,17 @@ def int4_mma(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
         return out
     # Past 16 rows 32 rows a program in 128 columns won at Llama-8B's shapes (H100 sweep,
     # docs/benchmarks.md).
-    block_n = block_n or (default_block_n(k) if m <= MAX_ROWS else 128)
-    block_m = block_m or (MAX_ROWS if m <= MAX_ROWS else 32)
+    block_n = block_n or (default_block_n(k) if m <= SMALL_BATCH_ROWS else 128)
+    block_m = block_m or (SMALL_BATCH_ROWS if m <= SMALL_BATCH_ROWS else 32)
     tiles = cdiv(n, block_n) * cdiv(m, block_m)
     if split_k == 0:
         split_k = max(1, min(cdiv(2 * num_sms(x.device), tiles), k // (2 * TILE_K)))
     splits = split_k_launch(k, split_k, TILE_K, m, n, tiles, out)
     on_gpu = compiled_for_gpu(x)
-    asm = {f"A{j}": _ASM_ROWS[j] for j in range(8)}
     _int4_mma_kernel[(cdiv(n, block_n), splits.split_k, cdiv(m, block_m))](
         x, qweight, qzeros, scales, bias if bias is not None else scales, out, splits.partials,
         splits.counters, m, n, k, splits.k_per_split, x.stride(0), out.stride(0),
         GROUP=group_size, BLOCK_N=block_n, BLOCK_M=block_m, SPLIT_K=splits.split_k,
-        NUM_STAGES=num_stages, HAS_BIAS=bias is not None, ON_GPU=on_gpu, **asm,
+        NUM_STAGES=num_stages, HAS_BIAS=bias is not None, ON_GPU=on_gpu, ASMS=_ASM_ROWS,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
     return out
