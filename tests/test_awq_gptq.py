@@ -6,7 +6,7 @@ projections packed into AWQ's "gemm" layout or GPTQ's (v1 and v2 zeros, desc_act
 float32 checkpoint of the dequantized weights. Greedy tokens of ember on the packed checkpoint
 must equal HF transformers float32 on the dequantized one. On the CPU the layers compute in
 torch; the ``gpu`` cases run the CUDA path (int4_gemv for 1-2 rows, int4_mma on the tensor
-cores for 3-64 bfloat16 rows, int4_dequant + cuBLAS above) in the same checks.
+cores for 3-64 half-precision rows, int4_dequant + cuBLAS above) in the same checks.
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ def test_layers_through_the_kernels_on_the_interpreter(name, make, config, monke
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu case below covers CUDA")
-def test_bfloat16_rows_take_the_tensor_core_kernel_on_the_interpreter(monkeypatch):
-    """bfloat16 rows with whole 128-row tiles a group: int4_gemv for 1-2 rows, int4_mma for
-    3-64 (16 and then 32 rows a program), the dequantized weight above; each one launched."""
+def test_half_rows_take_the_tensor_core_kernel_on_the_interpreter(monkeypatch):
+    """Half-precision rows with whole 128-row tiles a group: int4_gemv for 1-2 rows, int4_mma
+    for 3-64 (16 and then 32 rows a program), the dequantized weight above; each launched."""
     pytest.importorskip("triton")
     from ember import kernels
 
@@ -88,7 +88,7 @@ def test_bfloat16_rows_take_the_tensor_core_kernel_on_the_interpreter(monkeypatc
         monkeypatch.setattr(module, name, spy(getattr(module, name), name))
     check_quantized_linear("awq", partial(awq_tensors, group_size=128),
                            config={"group_size": 128}, shapes=(([64, 32], 256),),
-                           batch_sizes=(2, 3, 40, 65), dtypes=("bfloat16",))
+                           batch_sizes=(2, 3, 40, 65), dtypes=("bfloat16", "float16"))
     assert set(launched) == {"int4_gemv", "int4_mma", "int4_dequantize"}, launched
 
 
@@ -174,9 +174,8 @@ def test_layers_named_in_modules_to_not_convert_stay_float():
      {"group_size": 128, "desc_act": True}),
 ])
 def test_linear_layers_on_cuda_take_the_kernels(name, make, config):
-    """Decode and prefill batch sizes (int4_gemv for 1-2 rows, int4_mma for 3-64 bfloat16 rows
-    and up to 4 float16 ones, dequantized + cuBLAS above) in half precision, at a Llama-8B-like
-    fused shape."""
+    """Decode and prefill batch sizes (int4_gemv for 1-2 rows, int4_mma for 3-64,
+    dequantized + cuBLAS above) in half precision, at a Llama-8B-like fused shape."""
     lines = check_quantized_linear(name, make, config=config, device="cuda",
                                    shapes=(([1024, 512], 4096),),
                                    batch_sizes=(1, 2, 4, 16, 17, 64, 65, 300),

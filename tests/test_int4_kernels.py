@@ -229,17 +229,18 @@ def test_int4_gemv_rows(dtype, m, n, k, group, config):
     (40, 64, 256, 128, 64, 2, True, 16),  # three tiles of rows, each merging its K splits
     (70, 128, 256, 128, 64, 1, False, 64),  # 64 rows a program, the second tile short
 ])
-def test_int4_mma(m, n, k, group, block_n, split_k, bias, block_m):
-    """The tensor-core kernel (bfloat16 rows; under the interpreter its integer twin) against
-    the float reference, with the one-rounding bound of the GEMV."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_mma(m, n, k, group, block_n, split_k, bias, block_m, dtype):
+    """The tensor-core kernel (under the interpreter its integer twin) against the float
+    reference, with the one-rounding bound of the GEMV."""
     n = n // 8 * 8
     qw, qz, s, w = _awq_case(k, n, group, torch.float16)
-    x = _x(m, k, torch.bfloat16)
-    b = torch.randn(n).to(torch.bfloat16).to(DEV) if bias else None
+    x = _x(m, k, dtype)
+    b = torch.randn(n).to(dtype).to(DEV) if bias else None
     got = int4_mma(x, qw, qz, s, group, b, block_n=block_n, split_k=split_k, block_m=block_m)
-    _check(got, x.float() @ w + (b.float() if bias else 0.0), torch.bfloat16)
+    _check(got, x.float() @ w + (b.float() if bias else 0.0), dtype)
     # A row view with a stride past K (a slice of a wider tensor) reads the same.
-    wide = torch.zeros(m, k + 8, dtype=torch.bfloat16, device=DEV)
+    wide = torch.zeros(m, k + 8, dtype=dtype, device=DEV)
     wide[:, :k] = x
     assert torch.equal(int4_mma(wide[:, :k], qw, qz, s, group, b, block_n=block_n,
                                 split_k=split_k, block_m=block_m), got)
@@ -358,8 +359,9 @@ _SM90_MMA_SCRIPT = _SM90_HEADER + r'''
 # qkv (128 columns a program) and down (256): the weight operand is unpacked in the wgmma's
 # register layout (no trip through shared memory by the threads: the only shared stores are
 # the pipeline's cp.async copies), four lop3 a pack, eight dots a tile per 64 columns.
-for k, n in [(4096, 6144), (14336, 4096)]:
-    x = torch.randn(4, k).bfloat16()
+for k, n, dtype in [(4096, 6144, torch.bfloat16), (14336, 4096, torch.bfloat16),
+                    (4096, 6144, torch.float16)]:
+    x = torch.randn(4, k).to(dtype)
     qw, qz, s = random_int4(k, n)
     (consts, ptx), = compile_as_launched(int4_mma, "_int4_mma_kernel",
                                          lambda: int4_mma.int4_mma(x, qw, qz, s, 128))

@@ -36,7 +36,7 @@ class KernelConfig:
     # the CPU in float32 (ember.kernels.cpu.layer_ops), agreeing with the torch ops to rounding;
     # off, the torch ops (bit for bit HF transformers' float32 arithmetic).
     cpu_layers: bool = True
-    # 4-bit (AWQ / GPTQ) layers of 3-16 bfloat16 rows multiply on the tensor cores
+    # 4-bit (AWQ / GPTQ) layers of 3-64 half-precision rows multiply on the tensor cores
     # (int4_mma); off, the CUDA-core GEMV up to 4 rows (int4_gemv) and the dequantized weight
     # above.
     int4_tensor_cores: bool = True

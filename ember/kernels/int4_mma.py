@@ -77,15 +77,15 @@ def _dot_operand(packs, zeros2, qw_tile_ptr, offs_n, n_mask, K8, J: tl.constexpr
 
 @triton.jit
 def _x_slice(x_ptr, offs_m, m_mask, stride_x, k0, J: tl.constexpr, ON_GPU: tl.constexpr):
-    """The rows of x that dot J of the tile at k0 multiplies, [16, BLOCK_M] (float32 off a
-    GPU, as the weight operand there): its kk-th is row 16 (kk // 2) + 8w + 2s + kk % 2 of the
+    """The rows of x that dot J of the tile at k0 multiplies, [16, BLOCK_M], in bfloat16 on a
+    GPU (float16 rows rounded to it, as int4_gemv's products round them) and in float32 off a
+    GPU (as the weight operand there): its kk-th is row 16 (kk // 2) + 8w + 2s + kk % 2 of the
     tile, J = 4w + s (module docstring)."""
     kk = tl.arange(0, 16)
     offs_k = k0 + 16 * (kk // 2) + 8 * (J // 4) + 2 * (J % 4) + kk % 2
     x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m_mask[:, None],
                 other=0.0)
-    if not ON_GPU:
-        x = x.to(tl.float32)
+    x = x.to(tl.bfloat16) if ON_GPU else x.to(tl.float32)
     return tl.trans(x)
 
 
@@ -154,7 +154,7 @@ def int4_mma(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
              group_size: int, bias: torch.Tensor | None = None, block_n: int = 0,
              split_k: int = 0, num_warps: int = 4, num_stages: int = 3,
              block_m: int = 0) -> torch.Tensor:
-    """x [M, K] (bfloat16) times the 4-bit weight in ember's form (qweight [N, K/8] column
+    """x [M, K] (bfloat16 or float16) times the 4-bit weight in ember's form (qweight [N, K/8] column
     major, qzeros [G, N/8], scales [G, N]). ``block_n`` / ``block_m`` 0: up to 16 rows
     ``default_block_n`` columns and 16 rows a program, else 128 and 32; ``split_k`` 0: split K
     until the grid holds two programs per SM. Three pipeline stages measured faster than four
@@ -162,7 +162,7 @@ def int4_mma(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     m, k = x.shape
     n = qweight.shape[0]
     assert m >= 1 and qweight.shape[1] * 8 == k and scales.shape[1] == n
-    assert int4_mma_supported(k, group_size) and x.dtype == torch.bfloat16
+    assert int4_mma_supported(k, group_size) and x.dtype in (torch.bfloat16, torch.float16)
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -5,8 +5,9 @@ computes it:
 
 - on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_gemv`` on the
   CUDA cores for 1-2 rows (decoding one or two sequences), ``int4_mma`` on the tensor cores
-  for 3-16 bfloat16 rows (whole 128-row tiles inside each group; otherwise ``int4_gemv`` up to
-  4 rows); more rows, the weight dequantized for the call (``int4_dequant``) and cuBLAS;
+  for 3-64 half-precision rows (whole 128-row tiles inside each group; otherwise, and in
+  float32, ``int4_gemv`` up to 4 rows); more rows, the weight dequantized for the call
+  (``int4_dequant``) and cuBLAS;
 - elsewhere (the CPU) in torch: the weight is dequantized for the call and multiplied. That
   saves memory, not time (the CPU's fast 4-bit path is GGUF's).
 
@@ -72,13 +73,13 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     if _kernels_take(x2):
         from ember import kernels
 
-        # One or two rows: the CUDA-core GEMV streams the packed weight fastest; 3-16 rows the
+        # One or two rows: the CUDA-core GEMV streams the packed weight fastest; 3-64 rows the
         # tensor-core kernel (its cost grows little with the rows: a Llama-8B layer 86 against
-        # 154 us at 4 rows on an H100, 100 against bf16's 154 at 16); more, the weight is
+        # 154 us at 4 rows on an H100, 257 against 378 dequantized at 64); more, the weight is
         # dequantized for the call and cuBLAS multiplies (as vLLM's AWQ layer does from 256
         # rows). docs/benchmarks.md.
         rows = x2.shape[0]
-        if (GEMV_ROWS < rows <= MMA_ROWS and x2.dtype == torch.bfloat16
+        if (GEMV_ROWS < rows <= MMA_ROWS and x2.dtype != torch.float32
                 and kernels.int4_mma.int4_mma_supported(x2.shape[1], group_size)
                 and kernels.kernel_config().int4_tensor_cores):
             y = kernels.int4_mma.int4_mma(x2, qweight, qzeros, scales, group_size, bias)
