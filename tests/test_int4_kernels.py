@@ -295,6 +295,7 @@ def test_int4_kernels_llama8b_shapes_bf16(k, n, m):
     if m <= 64:
         _check(int4_mma(x, qw, qz, s, 128), want, torch.bfloat16)
         _check(int4_mma(x, qw, qz, s, 128, block_n=256, split_k=1), want, torch.bfloat16)
+        _check(int4_mma(x.half(), qw, qz, s, 128), want, torch.float16)  # bf16 values: exact
     if m <= MAX_ROWS:
         _check(int4_gemv(x, qw, qz, s, 128), want, torch.bfloat16)
         _check(int4_gemv(x, qw, qz, s, 128, config=(64, 128, 2, 4, 1)), want, torch.bfloat16)
