@@ -4,13 +4,13 @@
     python -m ember.bench.quant engine --model ember/configs/llama-3.1-8b \\
         --methods bf16 fp8 fp8-exact-accum fp8-self-quant awq fp8kv fp8-fp8kv --out quant_engine.json
 
-``kernels``: Llama-3.1-8B's projections at 1, 4 and 16 rows and at 256: bf16 cuBLAS, the
+``kernels``: Llama-3.1-8B's projections at 1, 4, 16, 64 and 256 rows: bf16 cuBLAS, the
 small-batch bf16 kernel, fp8 (per-token quantization + torch._scaled_mm, and up to 16 rows the
 small-batch kernel streaming the fp8 weight) and int4 (int4_gemv up to its 4 rows, with
-``--sweep`` a few of its tilings; at every row count the weight dequantized and cuBLAS, the
-layer's path above int4_gemv's rows), each timed inside a CUDA graph over weight copies larger
-than L2, as bandwidth (weight bytes per second and the fraction of the copy bandwidth). Every
-kernel is checked against its dequantized reference first.
+``--sweep`` a few of its tilings; int4_mma on the tensor cores up to the layer's 64; at every
+row count the weight dequantized and cuBLAS, the layer's path above), each timed inside a CUDA
+graph over weight copies larger than L2, as bandwidth (weight bytes per second and the fraction
+of the copy bandwidth). Every kernel is checked against its dequantized reference first.
 
 ``engine``: one engine per method on dummy weights (AWQ through a temporary config.json carrying
 an AWQ quantization_config; fp8 by quantizing the bf16 dummy weights at load; fp8kv = bf16 with
@@ -89,9 +89,11 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
     from ember.kernels.int4_dequant import int4_dequantize
     from ember.kernels.int4_gemv import MAX_ROWS as GEMV_MAX_ROWS
     from ember.kernels.int4_gemv import int4_gemv
+    from ember.kernels.int4_mma import int4_mma
     from ember.kernels.small_batch_linear import small_batch_linear
     from ember.quantization.fp8 import fp8_linear, quantize_weight_per_channel
     from ember.quantization.int4_common import awq_to_int4, dequantize_awq
+    from ember.quantization.int4_linear import MMA_ROWS
     from ember.testing.quantized_checkpoints import awq_tensors
 
     copy_bw = copy_bandwidth() * 1e12
@@ -120,7 +122,8 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
         for m in ns.rows:
             x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
             ref = x.float() @ deq.float().T
-            for got in ([int4_gemv(x, qw, qz, s, 128)] if m <= GEMV_MAX_ROWS else []) + [
+            for got in ([int4_gemv(x, qw, qz, s, 128)] if m <= GEMV_MAX_ROWS else []) + (
+                    [int4_mma(x, qw, qz, s, 128)] if m <= MMA_ROWS else []) + [
                     F.linear(x, int4_dequantize(qw, qz, s, 128, x.dtype))]:
                 err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
                 assert err < 2e-2, f"int4 {name} m={m}: error {err}"
@@ -152,7 +155,9 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
                     timed(f"int4_gemv_{'x'.join(map(str, c[:5]))}_{'wide' if wide else '8b'}",
                           int4_bytes, lambda x_, t, c=c: int4_gemv(x_, *t, 128, config=c),
                           sets["int4"])
-            # The layer's path above int4_gemv's rows: the weight dequantized, then cuBLAS.
+            if m <= MMA_ROWS:
+                timed("int4_mma", int4_bytes, lambda x_, t: int4_mma(x_, *t, 128), sets["int4"])
+            # The layer's path above int4_mma's rows: the weight dequantized, then cuBLAS.
             timed("int4_dequant_cublas", int4_bytes,
                   lambda x_, t: F.linear(x_, int4_dequantize(*t, 128, x_.dtype)), sets["int4"])
             rows.append(row)
@@ -286,7 +291,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="part", required=True)
     k = sub.add_parser("kernels")
-    k.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 256])
+    k.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     k.add_argument("--sweep", action="store_true", help="time a few int4_gemv tile configs")
     e = sub.add_parser("engine")
     e.add_argument("--model", default="ember/configs/llama-3.1-8b")
