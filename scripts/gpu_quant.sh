@@ -23,7 +23,7 @@ for part in $PARTS; do
     # The attention kernels gained the fp8 KV-cache path: their own GPU tests.
     attention) stage attention_tests 150 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
                  tests/test_triton_attention.py --junitxml="$OUT/attention_tests.xml" ;;
-    kernels) stage quant_kernels 90 python3 -m ember.bench.quant kernels --sweep \
+    kernels) stage quant_kernels 150 python3 -m ember.bench.quant kernels --sweep \
                --out "$OUT/quant_kernels.json" ;;
     engine) stage quant_llama8b 200 python3 -m ember.bench.quant engine \
               --model ember/configs/llama-3.1-8b --methods bf16 fp8 awq \
