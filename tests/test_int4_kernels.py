@@ -1,5 +1,6 @@
 """4-bit weights (ember.quantization.int4_common) and their kernels (ember.kernels.int4_gemv,
-int4_mma, int4_dequant) against independent unpackings of the published layouts and a float reference.
+int4_mma, int4_dequant) against independent unpackings of the published layouts and a float
+reference.
 
 The packers are checked against the formats' documented bit orders, written here a second way
 (per nibble with numpy): AWQ puts column 8c + j of a pack at bit 4 * [0, 4, 1, 5, 2, 6, 3, 7][j]
@@ -233,7 +234,6 @@ def test_int4_gemv_rows(dtype, m, n, k, group, config):
 def test_int4_mma(m, n, k, group, block_n, split_k, bias, block_m, dtype):
     """The tensor-core kernel (under the interpreter its integer twin) against the float
     reference, with the one-rounding bound of the GEMV."""
-    n = n // 8 * 8
     qw, qz, s, w = _awq_case(k, n, group, torch.float16)
     x = _x(m, k, dtype)
     b = torch.randn(n).to(dtype).to(DEV) if bias else None

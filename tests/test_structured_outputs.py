@@ -62,24 +62,23 @@ def test_json_schemas_validate(llm):
     """The 210 schemas, through each grammar engine, in one batch with unconstrained requests,
     greedy and sampled: every output parses, validates and ends by the grammar's end
     (finish_reason "stop", not max_tokens)."""
-    schemas = SCHEMAS
     # 320 tokens: three array items of objects holding a uuid take about 200.
     params = [_params(_so(json=s, disable_any_whitespace=True), i, max_tokens=320)
-              for i, s in enumerate(schemas)]
+              for i, s in enumerate(SCHEMAS)]
     plain = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 4
-    outs = llm.generate(["Answer with a JSON value:"] * len(schemas) + ["Hello"] * 4,
+    outs = llm.generate(["Answer with a JSON value:"] * len(SCHEMAS) + ["Hello"] * 4,
                         params + plain, use_tqdm=False)
     failures = []
-    for schema, out in zip(schemas, outs):
+    for schema, out in zip(SCHEMAS, outs):
         completion = out.outputs[0]
         try:
             assert completion.finish_reason == "stop", completion.finish_reason
             _check_json(schema, completion.text)
         except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
             failures.append((json.dumps(schema), completion.text, str(exc)[:200]))
-    assert not failures, f"{len(failures)} of {len(schemas)} outputs fail:\n" + "\n".join(
+    assert not failures, f"{len(failures)} of {len(SCHEMAS)} outputs fail:\n" + "\n".join(
         map(str, failures[:5]))
-    assert all(len(o.outputs[0].token_ids) == 8 for o in outs[len(schemas):])
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs[len(SCHEMAS):])
     assert_all_blocks_free(llm)
 
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}  # Llama-3.1-8B (out, in)
 L2_FLUSH_BYTES = 200 * 2**20
+AWQ_METHODS = ("awq", "awq-gemv")  # engine methods that load the AWQ checkpoint
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a dry run of the code on the CPU sets cpu / float16
 # (block_n, block_k, programs per SM, warps, stages) of int4_gemv, timed at one row with 16-
 # and with 8-byte pack loads: K splits until the grid holds that many programs per SM.
@@ -207,7 +208,7 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=ns.max_model_len,
                   skip_tokenizer_init=True, gpu_memory_utilization=0.9)
         path = ns.model
-        if method in ("awq", "awq-gemv"):
+        if method in AWQ_METHODS:
             path = _awq_dir(ns.model)
         if method in ("fp8", "fp8-self-quant", "fp8-exact-accum", "fp8-fp8kv"):
             kw["quantization"] = "fp8"
@@ -268,7 +269,7 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         del llm, runner
         gc.collect()
         torch.cuda.empty_cache()
-        if method in ("awq", "awq-gemv"):
+        if method in AWQ_METHODS:
             shutil.rmtree(path, ignore_errors=True)
     base = results["methods"].get("bf16")
     if base:

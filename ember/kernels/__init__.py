@@ -12,7 +12,7 @@
     moe_decode          the mixture-of-experts layer for one token: two kernels, no sort
     int4_mma            4-bit (AWQ/GPTQ) linear layer for 1-16 rows on the tensor cores
     int4_gemv           4-bit (AWQ/GPTQ) linear layer for 1-4 rows, weight streaming
-    int4_dequant        4-bit (AWQ/GPTQ) weight written out dense, for cuBLAS above 4 rows
+    int4_dequant        4-bit (AWQ/GPTQ) weight written out dense, for cuBLAS above int4_mma's rows
     fp8_quant           dynamic per-token float8 quantization of activations (W8A8 layers)
     fp8_gemv            fp8 (W8A8) linear layer for up to 16 rows on fp8 tensor cores
 

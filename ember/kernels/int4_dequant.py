@@ -1,7 +1,8 @@
 """int4_dequantize: a 4-bit (AWQ / GPTQ) weight in ember's form written out as a dense [N, K]
-weight in a float dtype, for the 4-bit layers above int4_gemv's rows: written once and read by
-one cuBLAS GEMM (as vLLM's AWQ layer does from 256 rows), which on an H200 beat multiplying the
-packed weight in Triton's tensor-core kernels at every batch measured (docs/benchmarks.md).
+weight in a float dtype, for the 4-bit layers above the rows of int4_gemv and int4_mma
+(ember.quantization.int4_linear): written once and read by one cuBLAS GEMM (as vLLM's AWQ layer
+does from 256 rows), which beats int4_mma's per-tile unpacking from about 128 rows on an H100
+(docs/benchmarks.md).
 
 One program per [BLOCK_N, SUB] tile, SUB rows inside one group (ember.kernels.int4_gemv's
 row_sub_tile): it reads the columns' packs (contiguous along K), expands them in pair order,
