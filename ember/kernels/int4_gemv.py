@@ -4,15 +4,14 @@ Decoding a few sequences, the layer is a read of its weight: 4-bit storage moves
 bf16 weight's bytes, so the kernel's job is to keep HBM busy. One program per BLOCK_N output
 columns (times K splits) reads each column's packs (ember's column-major form) as one
 contiguous run, BLOCK_K rows a step, and multiplies on the CUDA cores (bfloat16 pairs in
-inline PTX on a GPU, ember.kernels.int4_tile); a partial per two packs, summed once at the
-end. The loads of two tiles are in flight per thread, the weight's first two before the PDL
-wait; where every split and column tile is whole (EVEN) the loads carry no masks. Whether each
-thread loads its packs 16 bytes at a time or 8 is tuned per shape (ember.kernels.tuning).
-With 2-4 rows (ROWS, a constexpr) each pack is unpacked once and multiplied with every row:
-the arithmetic grows by the products only, and a row's result is bit for bit its one-row
-launch with the same tiles. K splits merge in the kernel (ember.kernels.split_k:
-deterministic, no second kernel). More rows take the weight dequantized for the call and
-cuBLAS (ember.kernels.int4_dequant)."""
+inline PTX on a GPU, ember.kernels.int4_tile: no layout change, no shared memory); a partial
+per pack, summed once at the end. The loads of two tiles are in flight per thread, the
+weight's first two before the PDL wait; whether each thread loads its packs 16 bytes at a time
+or 8 is tuned per shape (ember.kernels.tuning). With 2-4 rows (ROWS, a constexpr) each pack
+is unpacked once and multiplied with every row: the arithmetic grows by the products only, and
+a row's result is bit for bit its one-row launch with the same tiles. K splits merge in the
+kernel (ember.kernels.split_k: deterministic, no second kernel). More rows take the weight
+dequantized for the call and cuBLAS (ember.kernels.int4_dequant)."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ MAX_ROWS = 4  # rows one launch takes; the layer dequantizes the weight for more
 @triton.jit
 def _stream_start(qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP: tl.constexpr,
                   SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  WIDE_LOADS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+                  WIDE_LOADS: tl.constexpr, PDL: tl.constexpr):
     """A program's first column, its split's rows [k_lo, k_hi), the packs a column, and the
     loads of its first two weight tiles: issued before the PDL wait, as the weight depends on
     no earlier kernel, while the kernel before still runs. WIDE_LOADS: pack offsets the
@@ -48,9 +47,9 @@ def _stream_start(qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP: tl.conste
         k8 = K // 8
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo, k_hi, n0, N, k8, GROUP, SUB, BLOCK_K,
-                               BLOCK_N, not EVEN)
+                               BLOCK_N)
     w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo + BLOCK_K, k_hi, n0, N, k8, GROUP,
-                                SUB, BLOCK_K, BLOCK_N, not EVEN)
+                                SUB, BLOCK_K, BLOCK_N)
     if PDL:  # see ember.kernels.launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -63,43 +62,32 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
                       SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED_HALF: tl.constexpr,
                       X_WORDS: tl.constexpr, WIDE_LOADS: tl.constexpr, ROWS: tl.constexpr,
-                      ROWS_P: tl.constexpr, ACC_PACKS: tl.constexpr, EVEN: tl.constexpr,
-                      PDL: tl.constexpr):
+                      ROWS_P: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # A register double buffer without copies: the loop body takes two tiles and reissues each
-    # one's loads right after its arithmetic. EVEN (whole tiles in every split and column):
-    # no masks; the loop stops two tiles early so its loads stay inside the split, and the
-    # last two tiles are multiplied after it.
-    MASKED: tl.constexpr = not EVEN
+    # one's loads right after its arithmetic.
     n0, k_lo, k_hi, K8, w_first, w_second = _stream_start(
         qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP, SUB, BLOCK_N, BLOCK_K, WIDE_LOADS,
-        EVEN, PDL)
-    x_first = rows_tile_x(x_ptr, stride_x, k_lo, k_hi, ROWS, SUB, BLOCK_K, PACKED_HALF, X_WORDS,
-                          MASKED)
+        PDL)
+    x_first = rows_tile_x(x_ptr, stride_x, k_lo, k_hi, ROWS, SUB, BLOCK_K, PACKED_HALF, X_WORDS)
     x_second = rows_tile_x(x_ptr, stride_x, k_lo + BLOCK_K, k_hi, ROWS, SUB, BLOCK_K,
-                           PACKED_HALF, X_WORDS, MASKED)
-    zero = tl.zeros([BLOCK_N, BLOCK_K // SUB, ACC_PACKS], dtype=tl.float32)
+                           PACKED_HALF, X_WORDS)
+    zero = tl.zeros([BLOCK_N, BLOCK_K // SUB, SUB // 8], dtype=tl.float32)
     accs = (zero, zero, zero, zero)
-    loop_end = k_hi - 2 * BLOCK_K if EVEN else k_hi
-    for k0 in range(k_lo, loop_end, 2 * BLOCK_K):
+    for k0 in range(k_lo, k_hi, 2 * BLOCK_K):
         accs = rows_tile_product(w_first, x_first, accs, x_ptr, stride_x, k0, k_hi, ROWS, SUB,
                                  BLOCK_K, PACKED_HALF)
         w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0 + 2 * BLOCK_K, k_hi, n0, N, K8,
-                                   GROUP, SUB, BLOCK_K, BLOCK_N, MASKED)
+                                   GROUP, SUB, BLOCK_K, BLOCK_N)
         x_first = rows_tile_x(x_ptr, stride_x, k0 + 2 * BLOCK_K, k_hi, ROWS, SUB, BLOCK_K,
-                              PACKED_HALF, X_WORDS, MASKED)
+                              PACKED_HALF, X_WORDS)
         accs = rows_tile_product(w_second, x_second, accs, x_ptr, stride_x, k0 + BLOCK_K, k_hi,
                                  ROWS, SUB, BLOCK_K, PACKED_HALF)
         w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0 + 3 * BLOCK_K, k_hi, n0, N, K8,
-                                    GROUP, SUB, BLOCK_K, BLOCK_N, MASKED)
+                                    GROUP, SUB, BLOCK_K, BLOCK_N)
         x_second = rows_tile_x(x_ptr, stride_x, k0 + 3 * BLOCK_K, k_hi, ROWS, SUB, BLOCK_K,
-                               PACKED_HALF, X_WORDS, MASKED)
-    if EVEN:
-        accs = rows_tile_product(w_first, x_first, accs, x_ptr, stride_x, loop_end, k_hi, ROWS,
-                                 SUB, BLOCK_K, PACKED_HALF)
-        accs = rows_tile_product(w_second, x_second, accs, x_ptr, stride_x, loop_end + BLOCK_K,
-                                 k_hi, ROWS, SUB, BLOCK_K, PACKED_HALF)
+                               PACKED_HALF, X_WORDS)
     acc0, acc1, acc2, acc3 = accs
     offs_m = tl.arange(0, ROWS_P)[:, None]  # ROWS_P: ROWS up to a power of two
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -169,23 +157,18 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     n_tiles = cdiv(n, block_n)
     sub = row_sub_tile(group_size, block_k)
     splits = split_k_launch(k, split_k, 2 * block_k, m, n, n_tiles, out)
-    # Half-precision rows on a GPU multiply in bfloat16 pairs, two packs at a time (sub-tiles
-    # of 16 rows or more; a single group over K rows not a multiple of 16 takes the float path).
-    packed_half = x.dtype != torch.float32 and compiled_for_gpu(x) and sub >= 16
-    # A bfloat16 row read as int64 words holds a pack's x pairs in two loads (a view that needs
-    # 8-byte alignment: other rows convert their pairs instead).
-    words = (packed_half and x.dtype == torch.bfloat16 and x.storage_offset() % 4 == 0
-             and (m == 1 or x.stride(0) % 4 == 0))
-    x_arg = x.view(torch.int64) if words else x
+    packed_half = x.dtype != torch.float32 and compiled_for_gpu(x)
+    # A bfloat16 row read as int32 words holds the x pairs the kernel multiplies (a view that
+    # needs 4-byte alignment: rows starting at an odd element convert their pairs instead).
+    words = (packed_half and x.dtype == torch.bfloat16 and x.storage_offset() % 2 == 0
+             and (m == 1 or x.stride(0) % 2 == 0))
+    x_arg = x.view(torch.int32) if words else x
     args = (x_arg, qweight, qzeros, scales, bias if bias is not None else scales, out,
             splits.partials, splits.counters, n, k, k // 8, splits.k_per_split)
     meta = dict(GROUP=group_size, SUB=sub, BLOCK_N=block_n, BLOCK_K=block_k,
                 SPLIT_K=splits.split_k, HAS_BIAS=bias is not None, PACKED_HALF=packed_half,
                 X_WORDS=words, WIDE_LOADS=wide_loads, num_warps=num_warps,
                 num_stages=num_stages, **pdl_options(x))
-    even = n % block_n == 0 and k % splits.k_per_split == 0  # whole tiles everywhere
     _int4_gemv_kernel[(n_tiles, splits.split_k)](*args, x_arg.stride(0), out.stride(0), ROWS=m,
-                                                 ROWS_P=1 << (m - 1).bit_length(),
-                                                 ACC_PACKS=sub // (16 if packed_half else 8),
-                                                 EVEN=even, **meta)
+                                                 ROWS_P=1 << (m - 1).bit_length(), **meta)
     return out
