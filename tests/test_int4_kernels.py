@@ -11,6 +11,7 @@ v1 qzeros hold z - 1. Without CUDA the kernels run under TRITON_INTERPRET=1 at s
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -285,11 +286,18 @@ def test_gemv_config_splits_small_grids():
 LLAMA8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out)
 
 
+@functools.cache
+def _llama8b_case(k: int, n: int):
+    """_awq_case of one Llama-8B shape, made once for all its row counts (quantizing and packing
+    a 28672 x 4096 weight on the host takes seconds; the cases only read it)."""
+    return _awq_case(k, n, 128, torch.bfloat16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", LLAMA8B)
 @pytest.mark.parametrize("m", [1, 3, 4, 16, 64, 256])
 def test_int4_kernels_llama8b_shapes_bf16(k, n, m):
-    qw, qz, s, w = _awq_case(k, n, 128, torch.bfloat16)
+    qw, qz, s, w = _llama8b_case(k, n)
     x = _x(m, k, torch.bfloat16)
     want = x.float() @ w
     if m <= 64:
