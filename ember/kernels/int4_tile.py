@@ -11,11 +11,13 @@ For half-precision x on a GPU a pack's eight products run in inline PTX on bfloa
 (128 + q[2s], 128 + q[2s + 1]) and with a packed subtract of (128 + z) exactly q - z, once for
 every row; ``pairs_dot_bf16x2`` takes the pairs with x's pairs (x[2s], x[2s + 1]), which a
 bfloat16 row holds in one 32-bit word, in packed multiply-adds. The pack's four pairs
-accumulate in bfloat16 before one float32 add: about 2.4 instructions per weight at one row.
-Its rounding is that of bfloat16 products summed over four weights (2^-9 relative on each
-pack's partial, the output's own precision), well below the 4-bit weights' quantization error.
-float32 x (and the interpreter) takes float32 multiply-adds with the zero point applied per
-pack."""
+accumulate in bfloat16 before one float32 add: about 2.4 instructions per weight of
+arithmetic at one row; the whole loop, with the loads, their addresses and masks and the zero
+points' and scales' move to the packs' layout, compiles to 3.4 for sm90 (gate_up's 64 x 256
+tiles; docs/benchmarks.md has a leaner loop that was slower). Its rounding is that of
+bfloat16 products summed over four weights (2^-9 relative on each pack's partial, the output's
+own precision), well below the 4-bit weights' quantization error. float32 x (and the
+interpreter) takes float32 multiply-adds with the zero point applied per pack."""
 
 from __future__ import annotations
 
