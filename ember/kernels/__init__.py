@@ -10,7 +10,7 @@
     small_batch_linear  weight-streaming linear layer for up to 16 rows
     fused_moe           mixture-of-experts routing, expert sort and grouped GEMMs
     moe_decode          the mixture-of-experts layer for one token: two kernels, no sort
-    int4_mma            4-bit (AWQ/GPTQ) linear layer for 1-16 rows on the tensor cores
+    int4_mma            4-bit (AWQ/GPTQ) linear layer for a few rows (3-64) on the tensor cores
     int4_gemv           4-bit (AWQ/GPTQ) linear layer for 1-4 rows, weight streaming
     int4_dequant        4-bit (AWQ/GPTQ) weight written out dense, for cuBLAS above int4_mma's rows
     fp8_quant           dynamic per-token float8 quantization of activations (W8A8 layers)
