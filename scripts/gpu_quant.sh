@@ -2,7 +2,8 @@
 # Quantization on a CUDA machine (about 4-5 minutes): the GPU tests of the 4-bit, fp8 and fp8-KV
 # kernels and methods, the quantized linear kernels at Llama-3.1-8B's shapes, and Llama-3.1-8B
 # (dummy weights) with bf16, fp8 and AWQ side by side on nano-vllm's workload and at batch 1.
-# Usage: scripts/gpu_quant.sh [PART...]   parts: tests kernels engine attention
+# Usage: scripts/gpu_quant.sh [PART...]   parts: tests kernels engine attention w4a8tests
+# w4a8kernels w4a8engine
 # (default: tests kernels engine; attention = the attention kernels' own GPU tests, which gpu_suite's
 # tests part also runs). Results under $OUT: quant.log, quant_tests.xml, quant_kernels.json,
 # quant_llama8b.json.
@@ -28,6 +29,17 @@ for part in $PARTS; do
     engine) stage quant_llama8b 200 python3 -m ember.bench.quant engine \
               --model ember/configs/llama-3.1-8b --methods bf16 fp8 awq \
               --out "$OUT/quant_llama8b.json" ;;
+    # The int8-activation path of the 4-bit layers (w4a8_gemv and its producers): its tests
+    # compiled, its kernels with a tile sweep, and AWQ with it against AWQ without at batch 1-4.
+    w4a8tests) stage w4a8_tests 120 python3 -m pytest -v -p no:cacheprovider -rfE \
+                 tests/test_w4a8.py --junitxml="$OUT/w4a8_tests.xml"
+               stage w4a8_layer_tests 100 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
+                 tests/test_awq_gptq.py tests/test_fp8.py --junitxml="$OUT/w4a8_layer_tests.xml" ;;
+    w4a8kernels) stage w4a8_kernels 150 python3 -m ember.bench.quant kernels --rows 1 2 4 \
+                   --sweep-w4a8 --out "$OUT/w4a8_kernels.json" ;;
+    w4a8engine) stage w4a8_engine 220 python3 -m ember.bench.quant engine \
+                  --model ember/configs/llama-3.1-8b --methods bf16 awq awq-bf16x fp8 \
+                  --num-prompts 32 --small-batches 2 4 --out "$OUT/w4a8_engine.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -7,7 +7,8 @@
 ``kernels``: Llama-3.1-8B's projections at 1, 4, 16, 64 and 256 rows: bf16 cuBLAS, the
 small-batch bf16 kernel, fp8 (per-token quantization + torch._scaled_mm, and up to 16 rows the
 small-batch kernel streaming the fp8 weight) and int4 (int4_gemv up to its 4 rows, with
-``--sweep`` a few of its tilings; int4_mma on the tensor cores up to the layer's 64; at every
+``--sweep`` a few of its tilings; w4a8_gemv on int8 rows, quantized before and by a kernel of
+their own first, ``--sweep-w4a8`` its tilings; int4_mma on the tensor cores up to the layer's 64; at every
 row count the weight dequantized and cuBLAS, the layer's path above), each timed inside a CUDA
 graph over weight copies larger than L2, as bandwidth (weight bytes per second and the fraction
 of the copy bandwidth). Every kernel is checked against its dequantized reference first.
@@ -37,12 +38,15 @@ import torch.nn.functional as F
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}  # Llama-3.1-8B (out, in)
 L2_FLUSH_BYTES = 200 * 2**20
-AWQ_METHODS = ("awq", "awq-gemv")  # engine methods that load the AWQ checkpoint
+AWQ_METHODS = ("awq", "awq-gemv", "awq-bf16x")  # engine methods that load the AWQ checkpoint
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a dry run of the code on the CPU sets cpu / float16
 # (block_n, block_k, programs per SM, warps, stages) of int4_gemv, timed at one row with 16-
 # and with 8-byte pack loads: K splits until the grid holds that many programs per SM.
 GEMV_CONFIGS = [(16, 1024, 2, 4, 1), (16, 2048, 2, 4, 1), (16, 512, 2, 4, 1), (8, 1024, 2, 4, 1),
                 (16, 1024, 3, 4, 1), (8, 2048, 2, 4, 1), (16, 1024, 4, 4, 1), (64, 256, 4, 4, 1)]
+# w4a8_gemv at 1-2 rows (``--sweep-w4a8``), each with 16- and 8-byte pack loads.
+W4A8_CONFIGS = [(16, 1024, 2, 4, 1), (8, 1024, 2, 4, 1), (32, 512, 2, 4, 1), (64, 256, 4, 4, 1),
+                (16, 2048, 2, 4, 1), (32, 1024, 2, 8, 1), (16, 1024, 4, 4, 1), (64, 512, 2, 8, 1)]
 # 2-4 rows: 8-byte loads, and 16 x 1,024 with both.
 GEMV_ROWS_CONFIGS = [(16, 1024, 2, 4, 1), (16, 512, 2, 4, 1), (64, 256, 4, 4, 1),
                      (32, 256, 2, 4, 1), (8, 1024, 2, 4, 1), (32, 512, 2, 4, 1)]
@@ -91,7 +95,10 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
     from ember.kernels.int4_gemv import MAX_ROWS as GEMV_MAX_ROWS
     from ember.kernels.int4_gemv import int4_gemv
     from ember.kernels.int4_mma import int4_mma
+    from ember.kernels.int8_act import quantize_int8
     from ember.kernels.small_batch_linear import small_batch_linear
+    from ember.kernels.w4a8_gemv import MAX_ROWS as W4A8_MAX_ROWS
+    from ember.kernels.w4a8_gemv import w4a8_gemv
     from ember.quantization.fp8 import fp8_linear, quantize_weight_per_channel
     from ember.quantization.int4_common import awq_to_int4, dequantize_awq
     from ember.quantization.int4_linear import MMA_ROWS
@@ -123,7 +130,16 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
         for m in ns.rows:
             x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
             ref = x.float() @ deq.float().T
+            xq = quantize_int8(x)
+
+            def w4a8(x_, t, config=None, xq=xq):  # x quantized before, as the norms write it
+                return w4a8_gemv(*xq, *t, 128, DTYPE, config=config)
+
+            def quant_w4a8(x_, t):  # x quantized by a kernel of its own first
+                return w4a8_gemv(*quantize_int8(x_), *t, 128, DTYPE)
+
             for got in ([int4_gemv(x, qw, qz, s, 128)] if m <= GEMV_MAX_ROWS else []) + (
+                    [w4a8(x, (qw, qz, s))] if m <= W4A8_MAX_ROWS else []) + (
                     [int4_mma(x, qw, qz, s, 128)] if m <= MMA_ROWS else []) + [
                     F.linear(x, int4_dequantize(qw, qz, s, 128, x.dtype))]:
                 err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
@@ -156,6 +172,14 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
                     timed(f"int4_gemv_{'x'.join(map(str, c[:5]))}_{'wide' if wide else '8b'}",
                           int4_bytes, lambda x_, t, c=c: int4_gemv(x_, *t, 128, config=c),
                           sets["int4"])
+            if m <= W4A8_MAX_ROWS:
+                timed("int4_w4a8", int4_bytes, w4a8, sets["int4"])
+                timed("int4_w4a8_with_quant", int4_bytes, quant_w4a8, sets["int4"])
+                for cfg in W4A8_CONFIGS if ns.sweep_w4a8 and m <= 2 else []:
+                    for wide in (True, False):
+                        c = (*_gemv_config(cfg, n, k), wide)
+                        timed(f"int4_w4a8_{'x'.join(map(str, c[:5]))}_{'wide' if wide else '8b'}",
+                              int4_bytes, lambda x_, t, c=c: w4a8(x_, t, c), sets["int4"])
             if m <= MMA_ROWS:
                 timed("int4_mma", int4_bytes, lambda x_, t: int4_mma(x_, *t, 128), sets["int4"])
             # The layer's path above int4_mma's rows: the weight dequantized, then cuBLAS.
@@ -219,11 +243,13 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         # write half precision), the path before quantized producers.
         # fp8-exact-accum: cuBLASLt's fp8 GEMMs promote their partial sums to float32 (no fast
         # accumulation). awq-gemv: the 4-bit layers on the CUDA cores (int4_gemv), not the
-        # tensor cores.
+        # tensor cores. awq-bf16x: the 4-bit layers' inputs in half precision at 1-2 rows
+        # (int4_gemv), not int8 (w4a8_gemv).
         config = dataclasses.replace(kernel_config(),
                                      quantized_producers=method != "fp8-self-quant",
                                      fp8_fast_accumulation=method != "fp8-exact-accum",
-                                     int4_tensor_cores=method != "awq-gemv")
+                                     int4_tensor_cores=method != "awq-gemv",
+                                     int4_int8_activations=method != "awq-bf16x")
         start = time.perf_counter()
         with use_kernel_config(config):
             llm = LLM(path, **kw)
@@ -294,11 +320,13 @@ def main() -> None:
     k = sub.add_parser("kernels")
     k.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     k.add_argument("--sweep", action="store_true", help="time a few int4_gemv tile configs")
+    k.add_argument("--sweep-w4a8", action="store_true",
+                   help="time a few w4a8_gemv tile configs at 1-2 rows")
     e = sub.add_parser("engine")
     e.add_argument("--model", default="ember/configs/llama-3.1-8b")
     e.add_argument("--methods", nargs="+", default=["bf16", "fp8", "awq"],
                    choices=["bf16", "fp8", "fp8-exact-accum", "fp8-self-quant", "awq",
-                            "awq-gemv", "fp8kv", "fp8-fp8kv"])
+                            "awq-gemv", "awq-bf16x", "fp8kv", "fp8-fp8kv"])
     e.add_argument("--num-prompts", type=int, default=256)
     e.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
     e.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])

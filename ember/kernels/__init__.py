@@ -12,6 +12,8 @@
     moe_decode          the mixture-of-experts layer for one token: two kernels, no sort
     int4_mma            4-bit (AWQ/GPTQ) linear layer for a few rows (3-64) on the tensor cores
     int4_gemv           4-bit (AWQ/GPTQ) linear layer for 1-4 rows, weight streaming
+    w4a8_gemv           4-bit (AWQ/GPTQ) linear layer for 1-4 int8 rows, in integer dot products
+    int8_act            int8 activations in the 4-bit packs' order, for w4a8_gemv
     int4_dequant        4-bit (AWQ/GPTQ) weight written out dense, for cuBLAS above int4_mma's rows
     fp8_quant           dynamic per-token float8 quantization of activations (W8A8 layers)
     fp8_gemv            fp8 (W8A8) linear layer for up to 16 rows on fp8 tensor cores
@@ -52,6 +54,8 @@ OPS = (
     "moe_decode",
     "int4_mma",
     "int4_gemv",
+    "w4a8_gemv",
+    "int8_act",
     "int4_dequant",
     "fp8_quant",
     "fp8_gemv",

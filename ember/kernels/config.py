@@ -40,6 +40,11 @@ class KernelConfig:
     # (int4_mma); off, the CUDA-core GEMV up to 4 rows (int4_gemv) and the dequantized weight
     # above.
     int4_tensor_cores: bool = True
+    # 4-bit layers of 1-2 half-precision rows (decoding one or two sequences) take their input
+    # quantized to int8 by the kernel that writes it (RMSNorm, SiLU-and-mul; one scale per 128
+    # columns, ember.kernels.int8_act) and multiply in integer dot products (w4a8_gemv); off,
+    # the input stays in half precision (int4_gemv).
+    int4_int8_activations: bool = True
 
 
 _current = KernelConfig()

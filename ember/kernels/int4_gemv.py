@@ -21,39 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.int4_tile import row_tile_weights, rows_tile_product, rows_tile_x
+from ember.kernels.int4_tile import (
+    row_tile_weights,
+    rows_tile_product,
+    rows_tile_x,
+    stream_start,
+)
 from ember.kernels.launch import cdiv, compiled_for_gpu, num_sms, pdl_options
 from ember.kernels.split_k import split_k_launch, split_k_total
 from ember.kernels.tuning import DeviceTuning, Int4GemvConfig, tuning_for
 
 MAX_ROWS = 4  # rows one launch takes; the layer dequantizes the weight for more
-
-
-@triton.jit
-def _stream_start(qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP: tl.constexpr,
-                  SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  WIDE_LOADS: tl.constexpr, PDL: tl.constexpr):
-    """A program's first column, its split's rows [k_lo, k_hi), the packs a column, and the
-    loads of its first two weight tiles: issued before the PDL wait, as the weight depends on
-    no earlier kernel, while the kernel before still runs. WIDE_LOADS: pack offsets the
-    compiler can prove 16-byte aligned (K8 = K / 8 passed in, whole steps per split), so each
-    thread loads 4 packs an instruction, not 2; otherwise K / 8 is provably even only."""
-    n0 = tl.program_id(0) * BLOCK_N
-    if WIDE_LOADS:
-        k_lo = tl.multiple_of(tl.program_id(1) * k_per_split, 2 * BLOCK_K)
-        k8 = K8
-    else:
-        k_lo = tl.program_id(1) * k_per_split
-        k8 = K // 8
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo, k_hi, n0, N, k8, GROUP, SUB, BLOCK_K,
-                               BLOCK_N)
-    w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo + BLOCK_K, k_hi, n0, N, k8, GROUP,
-                                SUB, BLOCK_K, BLOCK_N)
-    if PDL:  # see ember.kernels.launch.pdl_options
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    return n0, k_lo, k_hi, k8, w_first, w_second
 
 
 @triton.jit
@@ -67,7 +45,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
     pid_k = tl.program_id(1)
     # A register double buffer without copies: the loop body takes two tiles and reissues each
     # one's loads right after its arithmetic.
-    n0, k_lo, k_hi, K8, w_first, w_second = _stream_start(
+    n0, k_lo, k_hi, K8, w_first, w_second = stream_start(
         qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP, SUB, BLOCK_N, BLOCK_K, WIDE_LOADS,
         PDL)
     x_first = rows_tile_x(x_ptr, stride_x, k_lo, k_hi, ROWS, SUB, BLOCK_K, PACKED_HALF, X_WORDS)

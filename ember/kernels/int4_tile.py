@@ -100,6 +100,33 @@ def row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, K8, GROUP: tl.const
 
 
 @triton.jit
+def stream_start(qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP: tl.constexpr,
+                  SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  WIDE_LOADS: tl.constexpr, PDL: tl.constexpr):
+    """A program's first column, its split's rows [k_lo, k_hi), the packs a column, and the
+    loads of its first two weight tiles: issued before the PDL wait, as the weight depends on
+    no earlier kernel, while the kernel before still runs. WIDE_LOADS: pack offsets the
+    compiler can prove 16-byte aligned (K8 = K / 8 passed in, whole steps per split), so each
+    thread loads 4 packs an instruction, not 2; otherwise K / 8 is provably even only."""
+    n0 = tl.program_id(0) * BLOCK_N
+    if WIDE_LOADS:
+        k_lo = tl.multiple_of(tl.program_id(1) * k_per_split, 2 * BLOCK_K)
+        k8 = K8
+    else:
+        k_lo = tl.program_id(1) * k_per_split
+        k8 = K // 8
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo, k_hi, n0, N, k8, GROUP, SUB, BLOCK_K,
+                               BLOCK_N)
+    w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo + BLOCK_K, k_hi, n0, N, k8, GROUP,
+                                SUB, BLOCK_K, BLOCK_N)
+    if PDL:  # see ember.kernels.launch.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    return n0, k_lo, k_hi, k8, w_first, w_second
+
+
+@triton.jit
 def _bf16_pair(x_ptr, offs, mask):
     """int32 bits of the bfloat16 pair (x[offs], x[offs + 1]), the first in the low half."""
     lo = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.bfloat16)

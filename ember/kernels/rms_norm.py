@@ -7,7 +7,8 @@ GEMV too small to fill the GPU, so it rides in the norm's kernel instead of a la
 ``rms_norm_fp8`` writes the normalised rows quantized for an fp8 layer instead
 (float8_e4m3fn and one scale per row, what ember.kernels.fp8_quant.per_token_fp8 would make of
 the half-precision output): the layer after then reads 1-byte activations with nothing left to
-quantize (ember.quantization.fp8).
+quantize (ember.quantization.fp8). ``rms_norm_int8`` writes them in int8 for a 4-bit layer's
+integer GEMV (ember.kernels.int8_act's form).
 
 The residual sum is rounded to the model dtype where torch rounds it (bit-identical); the norm
 itself may differ from torch by an ulp (reduction order, rsqrt). Outputs are new contiguous
@@ -22,11 +23,14 @@ import triton.language as tl
 
 from ember.kernels import fp8_quant
 from ember.kernels.fp8_quant import per_token_scale
+from ember.kernels.int8_act import GROUP as INT8_GROUP_SIZE
+from ember.kernels.int8_act import empty_int8_rows, store_groups
 from ember.kernels.launch import next_power_of_2, pdl_options, warps_for_block
 from ember.kernels.store_kv import quantize_fp8, soft_fp8
 
 FP8_MAX = tl.constexpr(fp8_quant.FP8_MAX)  # jit globals must be constexpr
 MIN_SCALE = tl.constexpr(fp8_quant.MIN_SCALE)
+INT8_GROUP = tl.constexpr(INT8_GROUP_SIZE)
 
 
 @triton.jit
@@ -48,6 +52,7 @@ def _rms_norm_kernel(
     out_ptr,
     res_out_ptr,
     scale_ptr,
+    sums_ptr,
     stride_xa,
     stride_xb,
     stride_ra,
@@ -58,6 +63,7 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
+    INT8: tl.constexpr,
     SOFT: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
@@ -85,7 +91,15 @@ def _rms_norm_kernel(
         scale, inv = per_token_scale(tl.max(tl.abs(y), 0), FP8_MAX, MIN_SCALE)
         tl.store(scale_ptr + a, scale)
         y = quantize_fp8(y, inv, FP8_MAX, SOFT)
-    tl.store(out_ptr + a * stride_oa + b * stride_ob + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if INT8:  # int8 rows (2-D, whole groups) in ember.kernels.int8_act's form
+        groups = n_cols // INT8_GROUP
+        store_groups(tl.reshape(y.to(in_ty).to(tl.float32), [BLOCK // INT8_GROUP, INT8_GROUP]),
+                     tl.reshape(offs, [BLOCK // INT8_GROUP, INT8_GROUP]),
+                     tl.arange(0, BLOCK // INT8_GROUP) < groups, out_ptr + a * stride_oa,
+                     scale_ptr + a * groups, sums_ptr + a * groups, INT8_GROUP)
+    else:
+        tl.store(out_ptr + a * stride_oa + b * stride_ob + offs, y.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -106,17 +120,21 @@ def _row_strides(x: torch.Tensor) -> tuple[int, int, int, int]:
 
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    scales: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None, int8: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """With ``scales`` ([rows] float32) the output is float8_e4m3fn, x 2-D."""
+    """With ``scales`` ([rows] float32) the output is float8_e4m3fn; with ``int8`` (q, scales,
+    sums of ember.kernels.int8_act.empty_int8_rows) it is written there; x 2-D for both."""
     shape = x.shape
     n = shape[-1]
     assert weight.shape == (n,) and weight.stride(0) == 1, "weight must be [hidden], contiguous"
     xr = _as_rows(x)
     quant = scales is not None
-    assert not quant or xr.dim() == 2
-    out = torch.empty(xr.shape, dtype=torch.float8_e4m3fn if quant else
-                      torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    assert not (quant or int8) or xr.dim() == 2
+    if int8:
+        out, scales, sums = int8
+    else:
+        out = torch.empty(xr.shape, dtype=torch.float8_e4m3fn if quant else
+                          torch.promote_types(weight.dtype, x.dtype), device=x.device)
     res_out = None
     rr = xr
     if residual is not None:
@@ -133,8 +151,9 @@ def _launch(
         block = next_power_of_2(n)
         _rms_norm_kernel[(rows_a, rows_b)](
             xr, rr, weight, out, out if res_out is None else res_out,
-            scales if quant else weight, sxa, sxb, sra, srb, soa, sob, n, eps,
-            HAS_RESIDUAL=residual is not None, QUANT=quant, SOFT=soft_fp8(x), BLOCK=block,
+            scales if quant or int8 else weight, sums if int8 else weight, sxa, sxb, sra, srb,
+            soa, sob, n, eps, HAS_RESIDUAL=residual is not None, QUANT=quant, INT8=bool(int8),
+            SOFT=soft_fp8(x), BLOCK=block,
             num_warps=warps_for_block(block), **pdl_options(x),
         )  # fmt: skip
     out = out.view(shape)
@@ -170,6 +189,17 @@ def rms_norm_fp8(
     scales = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
     q, new_residual = _launch(x, residual, weight, eps, scales)
     return q, scales, new_residual
+
+
+def rms_norm_int8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q, scales, sums, x + residual or None): ``rms_norm(x + residual)`` for a 4-bit layer's
+    integer GEMV, in ember.kernels.int8_act's form (what ``quantize_int8`` makes of the
+    half-precision norm). x: [T, hidden], hidden a multiple of its group."""
+    int8 = empty_int8_rows(x.shape[0], x.shape[1], x.device)
+    _, new_residual = _launch(x, residual, weight, eps, int8=int8)
+    return *int8, new_residual
 
 
 @triton.jit

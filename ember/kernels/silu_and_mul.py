@@ -3,7 +3,8 @@
 Torch rounds silu(gate) to the half dtype before the multiply; so does this kernel (SiLU's exp
 and division may still differ from torch by an ulp). ``silu_and_mul_fp8`` writes the product
 quantized for an fp8 down projection instead (float8_e4m3fn and one scale per row, what
-ember.kernels.fp8_quant.per_token_fp8 would make of the half-precision product).
+ember.kernels.fp8_quant.per_token_fp8 would make of the half-precision product);
+``silu_and_mul_int8`` in int8 for a 4-bit one's integer GEMV (ember.kernels.int8_act).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels import fp8_quant
+from ember.kernels import fp8_quant, int8_act
 from ember.kernels.fp8_quant import per_token_scale
+from ember.kernels.int8_act import empty_int8_rows, store_groups
 from ember.kernels.launch import cdiv, next_power_of_2, pdl_options, warps_for_block
 from ember.kernels.store_kv import quantize_fp8, soft_fp8
 
@@ -88,6 +90,21 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, d,
 
 
 @triton.jit
+def _silu_and_mul_int8_kernel(x_ptr, q_ptr, scale_ptr, sums_ptr, stride_x, d,
+                              GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
+    # Grid (tokens, blocks of GROUPS groups): each program quantizes whole groups of its own.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tok = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    y = _silu_mul_row(x_ptr + tok * stride_x, cols, d, x_ptr.dtype.element_ty)
+    store_groups(y, cols, groups < d // GROUP, q_ptr + tok * d, scale_ptr + tok * (d // GROUP),
+                 sums_ptr + tok * (d // GROUP), GROUP)
+
+
+@triton.jit
 def _silu_mul_row(x_row, offs, d, ty):
     """silu(gate) * up at ``offs`` of one row, rounded to the half dtype ``ty`` (as torch's),
     in float32."""
@@ -138,3 +155,19 @@ def silu_and_mul_fp8(x: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, tor
         SOFT=soft_fp8(x), num_warps=max(4, min(32, block // 512)), **pdl_options(x),
     )
     return q, scales
+
+
+def silu_and_mul_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [T, 2d] -> (q, scales, sums): silu_and_mul(x) for a 4-bit layer's integer GEMV, in
+    ember.kernels.int8_act's form (what ``quantize_int8`` makes of the half-precision
+    product); d a multiple of its group."""
+    d = x.shape[-1] // 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q, scales, sums = empty_int8_rows(x.shape[0], d, x.device)
+    if q.numel():
+        groups = int8_act.GROUPS_PER_PROGRAM
+        _silu_and_mul_int8_kernel[(x.shape[0], cdiv(d // int8_act.GROUP, groups))](
+            x, q, scales, sums, x.stride(0), d, GROUP=int8_act.GROUP, GROUPS=groups,
+            num_warps=4, **pdl_options(x))
+    return q, scales, sums

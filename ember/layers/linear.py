@@ -67,17 +67,19 @@ class QuantizedActivation(NamedTuple):
     ``Linear.quantized_input_dtype``): ``data`` in that dtype [rows, in], ``scale`` float32
     [rows, 1], or [rows, in / group] where the layer takes one scale per group of columns
     (``Linear.quantized_input_group``) and the producer wrote them; data * scale (each scale
-    over its columns) ~= the half-precision activations."""
+    over its columns) ~= the half-precision activations. int8 data is in
+    ember.kernels.int8_act's form (columns in the 4-bit packs' order) and carries ``sums``,
+    scale * sum(data) per group."""
 
     data: torch.Tensor
     scale: torch.Tensor
+    sums: torch.Tensor | None = None
 
 
-def wants_fp8_input(layer: Linear | None, x: torch.Tensor) -> bool:
-    """Whether the kernel about to write ``x`` (2-D) for ``layer`` should write it as
-    float8_e4m3fn rows with per-row scales (a QuantizedActivation)."""
-    return (layer is not None and x.dim() == 2
-            and layer.quantized_input_dtype(x) == torch.float8_e4m3fn)
+def wanted_input_dtype(layer: Linear | None, x: torch.Tensor) -> torch.dtype | None:
+    """The dtype the kernel about to write ``x`` (2-D) for ``layer`` should quantize it to
+    (float8_e4m3fn, int8: a QuantizedActivation), or None: x as it is."""
+    return None if layer is None or x.dim() != 2 else layer.quantized_input_dtype(x)
 
 
 class LinearMethod:

@@ -4,9 +4,9 @@ casting back), so float32 and bfloat16 models both match HF bit for bit.
 On CUDA in half precision the norm (and the residual add before it, ``forward_with_residual``)
 runs as one Triton kernel instead (ember.kernels.rms_norm); elsewhere the torch ops. Given the
 linear layer it feeds (``quant_for``), the kernel writes the rows already quantized when that
-layer asks for it (an fp8 layer: ``Linear.quantized_input_dtype``), and the result is a
-QuantizedActivation. On the CPU in float32 it is one native call (ember.kernels.cpu.layer_ops),
-equal to the torch ops to rounding.
+layer asks for it (``Linear.quantized_input_dtype``: fp8 rows for an fp8 layer, int8 for a
+4-bit layer's integer GEMV), and the result is a QuantizedActivation. On the CPU in float32 it
+is one native call (ember.kernels.cpu.layer_ops), equal to the torch ops to rounding.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ember import kernels
 from ember.kernels import dispatch
 from ember.kernels.config import kernel_config
 from ember.kernels.cpu import layer_ops
-from ember.layers.linear import Linear, QuantizedActivation, wants_fp8_input
+from ember.layers.linear import Linear, QuantizedActivation, wanted_input_dtype
 
 
 class RMSNorm(nn.Module):
@@ -36,9 +36,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor,
                 quant_for: Linear | None = None) -> torch.Tensor | QuantizedActivation:
         if self.use_kernel and dispatch.takes_kernel(x):
-            if self._quantizes_for(quant_for, x):
-                q, scale, _ = kernels.rms_norm.rms_norm_fp8(x, self.weight, self.eps)
-                return QuantizedActivation(q, scale)
+            quantized = self._quantized(quant_for, x)
+            if quantized is not None:
+                return quantized[0]
             return kernels.rms_norm.rms_norm(x, self.weight, self.eps)
         if self._takes_cpu_ops(x):
             return layer_ops.rms_norm(x, self.weight, self.eps)
@@ -52,9 +52,9 @@ class RMSNorm(nn.Module):
         ``x`` (a branch output the caller no longer needs) may be overwritten with the sum.
         """
         if self.use_kernel and dispatch.takes_kernel(x):
-            if self._quantizes_for(quant_for, x):
-                q, scale, h = kernels.rms_norm.rms_norm_fp8(x, self.weight, self.eps, residual)
-                return QuantizedActivation(q, scale), h
+            quantized = self._quantized(quant_for, x, residual)
+            if quantized is not None:
+                return quantized
             return kernels.rms_norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if (self._takes_cpu_ops(x) and layer_ops.rows_of(x) is not None
                 and layer_ops.rows_of(residual) is not None):
@@ -67,8 +67,20 @@ class RMSNorm(nn.Module):
         return (self.use_cpu_ops and self.weight.dtype == torch.float32
                 and layer_ops.takes(x) and layer_ops.norm_rows(x) is not None)
 
-    def _quantizes_for(self, layer: Linear | None, x: torch.Tensor) -> bool:
-        return self.quantized_producer and wants_fp8_input(layer, x)
+    def _quantized(self, layer: Linear | None, x: torch.Tensor,
+                   residual: torch.Tensor | None = None,
+                   ) -> tuple[QuantizedActivation, torch.Tensor | None] | None:
+        """(the norm quantized as ``layer`` asks, x + residual), or None where it asks for x
+        as it is."""
+        dtype = wanted_input_dtype(layer, x) if self.quantized_producer else None
+        if dtype == torch.float8_e4m3fn:
+            q, scale, h = kernels.rms_norm.rms_norm_fp8(x, self.weight, self.eps, residual)
+            return QuantizedActivation(q, scale), h
+        if dtype == torch.int8:
+            q, scale, sums, h = kernels.rms_norm.rms_norm_int8(x, self.weight, self.eps,
+                                                               residual)
+            return QuantizedActivation(q, scale, sums), h
+        return None
 
     def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:

@@ -3,8 +3,10 @@
 ``qweight`` [N, K/8], ``qzeros`` [G, N/8], ``scales`` [G, N], and ``perm`` for GPTQ's desc_act), and
 computes it:
 
-- on CUDA (outside a torch.compile trace) with ember's Triton kernels: ``int4_gemv`` on the
-  CUDA cores for 1-2 rows (decoding one or two sequences), ``int4_mma`` on the tensor cores
+- on CUDA (outside a torch.compile trace) with ember's Triton kernels: for 1-2 rows (decoding
+  one or two sequences) ``w4a8_gemv`` on int8 activations the norm or SiLU-and-mul before wrote
+  (``quantized_input_dtype``; KernelConfig.int4_int8_activations) or else ``int4_gemv``, on the
+  CUDA cores; ``int4_mma`` on the tensor cores
   for 3-64 half-precision rows (whole 128-row tiles inside each group; otherwise, and in
   float32, ``int4_gemv`` up to 4 rows); more rows, the weight dequantized for the call
   (``int4_dequant``) and cuBLAS;
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.layers.linear import Linear, LinearMethod
+from ember.layers.linear import Linear, LinearMethod, QuantizedActivation
 from ember.quantization.int4_common import (
     PACK,
     Int4Weight,
@@ -52,6 +54,7 @@ def replace_weight(layer: Linear, name: str, tensor: torch.Tensor | None,
 
 
 GEMV_ROWS = 2  # up to this many rows int4_gemv beats int4_mma (docs/benchmarks.md)
+W4A8_ROWS = 2  # up to this many rows the layer asks for int8 activations (w4a8_gemv)
 MMA_ROWS = 64  # up to this many rows int4_mma beats the dequantized weight and cuBLAS
 
 
@@ -120,6 +123,7 @@ class Int4LinearMethod(LinearMethod):
         layer.register_weight("qweight", int_param(*self.qweight_shape(input_size, out)),
                               attrs["qweight"])
         layer.register_weight("qzeros", int_param(groups, out // PACK), attrs["qzeros"])
+        layer.activation_dtype = dtype  # the output's, where the input comes in int8
         scales = torch.zeros(groups, out, dtype=scales_dtype(dtype))
         layer.register_weight("scales", nn.Parameter(scales, requires_grad=False),
                               attrs["scales"])
@@ -154,7 +158,30 @@ class Int4LinearMethod(LinearMethod):
     def _group(self, layer: Linear) -> int:
         return layer.in_features if self.group_size == -1 else self.group_size
 
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def quantized_input_dtype(self, layer: Linear, x: torch.Tensor) -> torch.dtype | None:
+        from ember.kernels import dispatch
+        from ember.kernels.config import kernel_config
+        from ember.kernels.int8_act import GROUP
+
+        # GPTQ's desc_act layers permute x's columns first: they take it as it is.
+        if (kernel_config().int4_int8_activations and x.shape[0] <= W4A8_ROWS
+                and _kernels_take(x) and dispatch.takes_kernel(x)
+                and layer.in_features % GROUP == 0 and getattr(layer, "perm", None) is None):
+            return torch.int8
+        return None
+
+    def quantized_input_group(self, layer: Linear, x: torch.Tensor) -> int:
+        from ember.kernels.int8_act import GROUP
+
+        return GROUP
+
+    def apply(self, layer: Linear, x: torch.Tensor | QuantizedActivation,
+              bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        if isinstance(x, QuantizedActivation):
+            from ember.kernels.w4a8_gemv import w4a8_gemv
+
+            return w4a8_gemv(x.data, x.scale, x.sums, layer.qweight, layer.qzeros, layer.scales,
+                             self._group(layer), layer.activation_dtype, bias)
         return int4_matmul(x, layer.qweight, layer.qzeros, layer.scales, self._group(layer),
                            getattr(layer, "perm", None), bias)
 

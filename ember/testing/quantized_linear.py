@@ -13,7 +13,10 @@ loads them through the parameters' ``weight_loader`` with the shard index, runs
   has one) equals the shards' dequantized values: loading and repacking lose nothing;
 - ``layer(x)`` for every batch size and dtype is within the method's bound of
   ``x @ dequantized.T + bias``: ``atol`` / ``rtol`` relative to the largest output magnitude
-  (a method that quantizes activations, like fp8, states a looser bound).
+  (a method that quantizes activations, like fp8, states a looser bound);
+- where the layer asks for its input quantized (``Linear.quantized_input_dtype``: fp8, or
+  int8 for a 4-bit layer's integer GEMV), also ``layer`` of x quantized as a producer kernel
+  writes it, within the same bound.
 Raises AssertionError naming the failing case; returns one summary line per case.
 """
 
@@ -46,6 +49,19 @@ def _build(impl: Any, in_f: int, sizes: list[int], bias: bool, dtype: torch.dtyp
 
     with linear_method_provider(linear_method_provider_for(impl)), torch.device(device):
         return Linear(in_f, sum(sizes), bias, dtype=dtype, output_sizes=sizes, prefix=prefix)
+
+
+def _as_producer_writes(x: torch.Tensor, dtype: torch.dtype) -> Any:
+    """x quantized to ``dtype`` as the kernel before a layer (RMSNorm, SiLU-and-mul) writes it
+    when the layer asks for it, by ember's standalone quantizer of the same form."""
+    from ember import kernels
+    from ember.layers.linear import QuantizedActivation
+
+    if dtype == torch.int8:
+        return QuantizedActivation(*kernels.int8_act.quantize_int8(x))
+    if dtype == torch.float8_e4m3fn:
+        return QuantizedActivation(*kernels.fp8_quant.per_token_fp8(x))
+    raise AssertionError(f"the layer asks for {dtype} input, which no producer writes")
 
 
 def check_quantized_linear(
@@ -103,17 +119,22 @@ def check_quantized_linear(
             worst = 0.0
             for n in batch_sizes:
                 x = torch.randn(n, in_f, generator=gen).to(device, dtype)
-                got = layer(x)
                 want = x.float() @ want_w.T + (b.float() if b is not None else 0.0)
-                if tuple(got.shape) != (n, sum(sizes)) or got.dtype != dtype:
-                    raise AssertionError(f"{label} [{case}, batch {n}]: output {got.dtype} "
-                                         f"{tuple(got.shape)}, expected {dtype} "
-                                         f"{(n, sum(sizes))}")
-                err = (got.float() - want).abs().max().item() / want.abs().max().item()
-                worst = max(worst, err)
-                if not err <= bound:
-                    raise AssertionError(f"{label} [{case}, batch {n}]: output differs from "
-                                         f"x @ dequantized.T by {err:.3g} of its largest "
-                                         f"magnitude (bound {bound})")
+                inputs = {"": x}
+                quantized = layer.quantized_input_dtype(x)
+                if quantized is not None:
+                    inputs[f", input in {quantized}"] = _as_producer_writes(x, quantized)
+                for how, layer_input in inputs.items():
+                    got = layer(layer_input)
+                    if tuple(got.shape) != (n, sum(sizes)) or got.dtype != dtype:
+                        raise AssertionError(f"{label} [{case}, batch {n}{how}]: output "
+                                             f"{got.dtype} {tuple(got.shape)}, expected "
+                                             f"{dtype} {(n, sum(sizes))}")
+                    err = (got.float() - want).abs().max().item() / want.abs().max().item()
+                    worst = max(worst, err)
+                    if not err <= bound:
+                        raise AssertionError(f"{label} [{case}, batch {n}{how}]: output "
+                                             f"differs from x @ dequantized.T by {err:.3g} of "
+                                             f"its largest magnitude (bound {bound})")
             lines.append(f"ok  {case}: output error {worst:.3g} (bound {bound})")
     return lines

@@ -137,6 +137,7 @@ class DeviceTuning:
     fp8_gemv_quantized_x: tuple[LinearRule, ...] = ()
     int4_gemv: tuple[LinearRule, ...] = ()
     int4_gemv_rows: tuple[LinearRule, ...] = ()  # 2-4 rows (empty: the one-row rules)
+    w4a8_gemv: tuple[LinearRule, ...] = ()  # int8 activations (empty: int4_gemv's rules)
 
     def linear_config(self, n: int, k: int) -> SmallBatchLinearConfig:
         for rule in self.small_batch_linear:
@@ -155,6 +156,12 @@ class DeviceTuning:
             if rule.matches(n, k):
                 return rule.config
         return Int4GemvConfig(16, 1024)
+
+    def w4a8_gemv_config(self, n: int, k: int, rows: int = 1) -> Int4GemvConfig:
+        for rule in self.w4a8_gemv:
+            if rule.matches(n, k):
+                return rule.config
+        return self.int4_gemv_config(n, k, rows)
 
 
 def _device_tunings() -> dict[str, DeviceTuning]:

@@ -1,0 +1,241 @@
+"""w4a8_gemv: a 4-bit (AWQ / GPTQ) linear layer for 1-4 rows of int8 activations, in integer
+dot products.
+
+The bfloat16 GEMV (ember.kernels.int4_gemv) spends ~3.4 instructions a weight: more than an
+SM issues while HBM delivers 4-bit weights at full rate, so it reads at about half the copy
+bandwidth. Here x arrives quantized by the kernel that wrote it (ember.kernels.int8_act: int8,
+one scale per row and 128 columns, in the packs' row order), and a pack's eight products are a
+mask, a shift, a mask and two ``dp4a`` (four int8 products summed into an int32 each): under
+one instruction a weight. Each sub-tile (inside one weight group and one x group) sums its
+packs' integer dots and applies the scales once: scale_w * (scale_x * dot - z * sums_x), in
+float32 (where weight groups are smaller than x's 128 columns, the sub-tile sums its own x
+bytes with two more dp4a a pack). The integer dot is exact; the result differs from the bf16 GEMV's by the
+activations' 8-bit rounding (per group of 128: half a step of amax / 127).
+
+The weight streams as in int4_gemv (ember.kernels.int4_tile: column-major packs, two tiles in
+flight per thread, the first two loaded before the PDL wait); K splits merge in the kernel
+(ember.kernels.split_k). With 2-4 rows each pack is unpacked once for all of them. Without a
+GPU (the interpreter) dp4a is computed from its bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels.int4_gemv import row_sub_tile
+from ember.kernels.int4_tile import row_tile_weights, stream_start
+from ember.kernels.int8_act import GROUP as X_GROUP
+from ember.kernels.launch import cdiv, compiled_for_gpu, num_sms, pdl_options
+from ember.kernels.split_k import split_k_launch, split_k_total
+from ember.kernels.tuning import DeviceTuning, Int4GemvConfig, tuning_for
+
+MAX_ROWS = 4
+
+
+@triton.jit
+def _nibble_bytes(packs, ASM: tl.constexpr):
+    """(low, high): a pack's nibbles as bytes, rows 0, 4, 1, 5 and rows 2, 6, 3, 7."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 sh;
+            and.b32 $0, $2, 0x0f0f0f0f;
+            shr.u32 sh, $2, 4;
+            and.b32 $1, sh, 0x0f0f0f0f;
+            }""",
+            constraints="=r,=r,r", args=[packs], dtype=(tl.int32, tl.int32), is_pure=True,
+            pack=1)
+    return packs & 0x0F0F0F0F, (packs >> 4) & 0x0F0F0F0F
+
+
+@triton.jit
+def _dp4a_emulated(u, s, acc):
+    """dp4a.u32.s32 from its bytes: unsigned bytes of ``u`` times signed bytes of ``s``."""
+    for i in tl.static_range(4):
+        acc += ((u >> (8 * i)) & 0xFF) * ((s << (24 - 8 * i)) >> 24)
+    return acc
+
+
+@triton.jit
+def _pack_dot(low, high, xa, xb, ASM: tl.constexpr):
+    """int32: a pack's eight products with one row's int8 x (words xa, xb)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            dp4a.u32.s32 $0, $1, $3, 0;
+            dp4a.u32.s32 $0, $2, $4, $0;
+            }""",
+            constraints="=r,r,r,r,r", args=[low, high, xa, xb], dtype=tl.int32, is_pure=True,
+            pack=1)
+    return _dp4a_emulated(high, xb, _dp4a_emulated(low, xa, tl.zeros_like(low)))
+
+
+@triton.jit
+def _x_tile(x_ptr, xs_ptr, xsum_ptr, k0, k_hi, XG: tl.constexpr, SUB: tl.constexpr,
+            BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """One row's int8 x for a tile: the words (xa, xb) [BLOCK_K / SUB, SUB / 8] of each pack
+    (``x_ptr``: the row as int64, one a pack) and each sub-tile's scale and sum."""
+    sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
+    inside = sub_start < k_hi
+    words = tl.load(x_ptr + (sub_start // 8)[:, None] + tl.arange(0, SUB // 8)[None, :],
+                    mask=inside[:, None], other=0)
+    xa = words.to(tl.int32)  # the low word: rows 0, 4, 1, 5 (int8_act's order)
+    xb = (words >> 32).to(tl.int32)
+    xs = tl.load(xs_ptr + sub_start // XG, mask=inside, other=0.0)
+    if SUB < XG:  # weight groups smaller than x's: the sub-tile's own sum of x
+        ones = tl.full(xa.shape, 0x01010101, tl.int32)
+        xsum = tl.sum(_pack_dot(ones, ones, xa, xb, ASM), axis=1).to(tl.float32) * xs
+    else:
+        xsum = tl.load(xsum_ptr + sub_start // XG, mask=inside, other=0.0)
+    return xa, xb, xs, xsum
+
+
+@triton.jit
+def _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k0, k_hi, ROWS: tl.constexpr,
+            XG: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """``_x_tile`` of rows 0..3; rows past ROWS stand in as row 0's and are never used."""
+    x0 = _x_tile(x_ptr, xs_ptr, xsum_ptr, k0, k_hi, XG, SUB, BLOCK_K, ASM)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if ROWS > 1:
+        x1 = _x_tile(x_ptr + stride_x, xs_ptr + stride_xs, xsum_ptr + stride_xs, k0, k_hi, XG,
+                     SUB, BLOCK_K, ASM)
+    if ROWS > 2:
+        x2 = _x_tile(x_ptr + 2 * stride_x, xs_ptr + 2 * stride_xs, xsum_ptr + 2 * stride_xs,
+                     k0, k_hi, XG, SUB, BLOCK_K, ASM)
+    if ROWS > 3:
+        x3 = _x_tile(x_ptr + 3 * stride_x, xs_ptr + 3 * stride_xs, xsum_ptr + 3 * stride_xs,
+                     k0, k_hi, XG, SUB, BLOCK_K, ASM)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _row_product(low, high, zf, scale, x, ASM: tl.constexpr):
+    """[BLOCK_N, BLOCK_K / SUB] float32: each sub-tile's dequantized product with one row."""
+    xa, xb, xs, xsum = x
+    dot = tl.sum(_pack_dot(low, high, xa[None, :, :], xb[None, :, :], ASM), axis=2)
+    return scale * (dot.to(tl.float32) * xs[None, :] - zf * xsum[None, :])
+
+
+@triton.jit
+def _tile_product(weights, xs, accs, ROWS: tl.constexpr, ASM: tl.constexpr):
+    packs, z, scale = weights
+    x0, x1, x2, x3 = xs
+    acc0, acc1, acc2, acc3 = accs
+    low, high = _nibble_bytes(packs, ASM)
+    zf = z.to(tl.float32)
+    acc0 += _row_product(low, high, zf, scale, x0, ASM)
+    if ROWS > 1:
+        acc1 += _row_product(low, high, zf, scale, x1, ASM)
+    if ROWS > 2:
+        acc2 += _row_product(low, high, zf, scale, x2, ASM)
+    if ROWS > 3:
+        acc3 += _row_product(low, high, zf, scale, x3, ASM)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _w4a8_gemv_kernel(x_ptr, xs_ptr, xsum_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr,
+                      part_ptr, counters_ptr, N, K, K8, k_per_split, stride_x, stride_xs,
+                      stride_o, GROUP: tl.constexpr, XG: tl.constexpr, SUB: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, WIDE_LOADS: tl.constexpr, ROWS: tl.constexpr,
+                      ROWS_P: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n0, k_lo, k_hi, K8, w_first, w_second = stream_start(
+        qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP, SUB, BLOCK_N, BLOCK_K, WIDE_LOADS,
+        PDL)
+    x_first = _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k_lo, k_hi, ROWS, XG, SUB,
+                      BLOCK_K, ASM)
+    x_second = _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k_lo + BLOCK_K, k_hi, ROWS,
+                       XG, SUB, BLOCK_K, ASM)
+    zero = tl.zeros([BLOCK_N, BLOCK_K // SUB], dtype=tl.float32)
+    accs = (zero, zero, zero, zero)
+    for k0 in range(k_lo, k_hi, 2 * BLOCK_K):
+        accs = _tile_product(w_first, x_first, accs, ROWS, ASM)
+        w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0 + 2 * BLOCK_K, k_hi, n0, N, K8,
+                                   GROUP, SUB, BLOCK_K, BLOCK_N)
+        x_first = _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k0 + 2 * BLOCK_K, k_hi,
+                          ROWS, XG, SUB, BLOCK_K, ASM)
+        accs = _tile_product(w_second, x_second, accs, ROWS, ASM)
+        w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0 + 3 * BLOCK_K, k_hi, n0, N, K8,
+                                    GROUP, SUB, BLOCK_K, BLOCK_N)
+        x_second = _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k0 + 3 * BLOCK_K, k_hi,
+                           ROWS, XG, SUB, BLOCK_K, ASM)
+    acc0, acc1, acc2, acc3 = accs
+    offs_m = tl.arange(0, ROWS_P)[:, None]  # ROWS_P: ROWS up to a power of two
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    total = tl.sum(acc0, 1)[None, :]
+    if ROWS > 1:
+        total = tl.where(offs_m == 0, total, 0.0)
+        total = tl.where(offs_m == 1, tl.sum(acc1, 1)[None, :], total)
+    if ROWS > 2:
+        total = tl.where(offs_m == 2, tl.sum(acc2, 1)[None, :], total)
+    if ROWS > 3:
+        total = tl.where(offs_m == 3, tl.sum(acc3, 1)[None, :], total)
+    mask = (offs_m < ROWS) & (offs_n < N)[None, :]
+    total, last = split_k_total(total, part_ptr, counters_ptr, pid_n, pid_k,
+                                offs_m * N + offs_n[None, :], mask, ROWS * N, SPLIT_K)
+    if last:
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m * stride_o + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def w4a8_gemv_config(n: int, k: int, device: torch.device, rows: int = 1) -> Int4GemvConfig:
+    """The tuned tiles for ``rows`` rows and an [k, n] weight on ``device``
+    (ember.kernels.tuning), K splits resolved as int4_gemv resolves them."""
+    return _resolved_config(tuning_for(device), n, k, num_sms(device), rows)
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolved_config(tuning: DeviceTuning, n: int, k: int, sms: int, rows: int) -> Int4GemvConfig:
+    config = tuning.w4a8_gemv_config(n, k, rows)
+    if config.split_k == 0:
+        split_k = max(1, min(cdiv(config.programs_per_sm * sms, cdiv(n, config.block_n)),
+                             cdiv(k, 2 * config.block_k)))
+        config = config._replace(split_k=split_k)
+    return config
+
+
+def w4a8_gemv(xq: torch.Tensor, x_scales: torch.Tensor, x_sums: torch.Tensor,
+              qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+              group_size: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+              config: tuple | None = None) -> torch.Tensor:
+    """int8 rows (``xq`` [M <= MAX_ROWS, K] with their scales and sums [M, K / 128], the form
+    of ember.kernels.int8_act) times the 4-bit weight in ember's form (qweight [N, K/8] column
+    major, qzeros [G, N/8], scales [G, N]); ``group_size`` rows per group. Output [M, N] in
+    ``out_dtype``. ``config`` (an Int4GemvConfig or its leading fields, K splits given)
+    overrides the tuned one."""
+    m, k = xq.shape
+    n = qweight.shape[0]
+    assert 1 <= m <= MAX_ROWS and qweight.shape[1] * 8 == k and scales.shape[1] == n
+    assert xq.dtype == torch.int8 and xq.is_contiguous() and k % X_GROUP == 0
+    assert x_scales.shape == x_sums.shape == (m, k // X_GROUP)
+    assert x_scales.is_contiguous() and x_sums.is_contiguous()
+    assert qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if n == 0:
+        return out
+    block_n, block_k, split_k, num_warps, num_stages, wide_loads, _ = (
+        Int4GemvConfig(*config) if config else w4a8_gemv_config(n, k, xq.device, m))
+    n_tiles = cdiv(n, block_n)
+    sub = row_sub_tile(min(group_size, X_GROUP), block_k)
+    splits = split_k_launch(k, split_k, 2 * block_k, m, n, n_tiles, out)
+    x_words = xq.view(torch.int64)  # one int64 a pack: its two words of x
+    _w4a8_gemv_kernel[(n_tiles, splits.split_k)](
+        x_words, x_scales, x_sums, qweight, qzeros, scales,
+        bias if bias is not None else scales, out, splits.partials, splits.counters, n, k,
+        k // 8, splits.k_per_split, x_words.stride(0), x_scales.stride(0), out.stride(0),
+        GROUP=group_size, XG=X_GROUP, SUB=sub, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=splits.split_k, HAS_BIAS=bias is not None, WIDE_LOADS=wide_loads, ROWS=m,
+        ROWS_P=1 << (m - 1).bit_length(), ASM=compiled_for_gpu(xq), num_warps=num_warps,
+        num_stages=num_stages, **pdl_options(xq))
+    return out

@@ -1,0 +1,173 @@
+"""int8 activations (ember.kernels.int8_act) and the 4-bit layers' integer GEMV
+(ember.kernels.w4a8_gemv) against torch references.
+
+The activation form is checked against a torch quantizer written from its documented rules and
+against the packs' bit layout (each byte of a pack's masked nibbles meets x's byte of the same
+row). The GEMV's integer dots are exact, so it must equal the float product of the dequantized
+int8 rows and the dequantized 4-bit weight up to float32 rounding. The producers (RMSNorm,
+SiLU-and-mul) must write what the standalone quantizer makes of their half-precision output.
+Without CUDA the kernels run under TRITON_INTERPRET=1 (dp4a from its bytes); the ``gpu`` cases
+run Llama-3.1-8B's projection shapes compiled, with inline PTX dp4a.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from ember.kernels.int8_act import (  # noqa: E402
+    GROUP,
+    PACKS_ORDER,
+    dequantize_int8_reference,
+    quantize_int8,
+    quantize_int8_reference,
+)
+from ember.kernels.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_int8  # noqa: E402
+from ember.kernels.silu_and_mul import silu_and_mul, silu_and_mul_int8  # noqa: E402
+from ember.kernels.w4a8_gemv import MAX_ROWS, w4a8_gemv  # noqa: E402
+from ember.quantization.int4_common import (  # noqa: E402
+    dequantize_int4,
+    pack_weight,
+    quantize_int4,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEV == "cuda"
+
+
+def _assert_quantized_equal(got, want):
+    """Equal int8 forms: on the interpreter bit for bit; compiled, the division may round a
+    value half a step the other way (q off by one, its sums by one step)."""
+    q, scales, sums = got
+    wq, wscales, wsums = (t.to(q.device) for t in want)
+    torch.testing.assert_close(scales, wscales, rtol=1e-6, atol=0)
+    if ON_GPU:
+        assert (q.int() - wq.int()).abs().max().item() <= 1
+        torch.testing.assert_close(sums, wsums, rtol=0, atol=float(2 * wscales.max()))
+    else:
+        assert torch.equal(q, wq)
+        torch.testing.assert_close(sums, wsums, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("rows,k", [(1, 128), (3, 384), (2, 2048 + 256)])
+def test_quantize_int8_matches_the_reference(rows, k):
+    x = torch.randn(rows, k, dtype=torch.bfloat16) * torch.linspace(0.1, 8, k).to(torch.bfloat16)
+    x[0, :GROUP] = 0  # a group of zeros: scale 0, q 0, no NaN
+    got = quantize_int8(x.to(DEV))
+    want = quantize_int8_reference(x)
+    _assert_quantized_equal(got, want)
+    q, scales, sums = got
+    assert scales[0, 0].item() == 0 and not q[0, :GROUP].any()
+    assert int(q.abs().max()) <= 127
+    # Every value within half a step of its group's scale.
+    err = (dequantize_int8_reference(q.cpu(), scales.cpu()) - x.float()).abs()
+    step = scales.cpu().repeat_interleave(GROUP, dim=1)
+    assert (err <= step * 0.5 + 1e-6).all()
+
+
+def test_stored_order_lines_up_with_the_pack_nibbles():
+    """Byte b of a pack's nibbles masked with 0x0F0F0F0F (and of the pack shifted by 4) is the
+    row stored at x's byte b (and b + 4): the ember pack order (row 2s at bit 4s, 2s + 1 at
+    16 + 4s) read four bytes at a time."""
+    bit_of_row = [(j % 2) * 16 + (j // 2) * 4 for j in range(8)]
+    for position, row in enumerate(PACKS_ORDER):
+        word, byte = divmod(position, 4)
+        assert bit_of_row[row] == 8 * byte + 4 * word
+
+
+def _weight(k, n, group, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(k, n, generator=gen) / k**0.5
+    weight = pack_weight(*quantize_int4(w, group), k if group == -1 else group)
+    return weight, dequantize_int4(weight)
+
+
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("k,n,group,config", [
+    (512, 96, 128, (16, 128, 2, 4, 1, False)),  # K split in two, a partial column tile
+    (256, 64, 64, (32, 256, 1, 4, 1, True)),  # two weight groups in an x group
+    (384, 40, -1, (8, 128, 1, 2, 1, False)),  # one weight group over K
+    (256, 48, 32, (16, 64, 2, 4, 1, False)),
+])
+def test_w4a8_gemv_matches_the_dequantized_product(rows, k, n, group, config):
+    weight, deq = _weight(k, n, group, seed=rows)
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    q, scales, sums = quantize_int8_reference(x)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    got = w4a8_gemv(q.to(DEV), scales.to(DEV), sums.to(DEV), weight.qweight.to(DEV),
+                    weight.qzeros.to(DEV), weight.scales.to(DEV), weight.group_size,
+                    torch.float32, bias.to(DEV), config=config)
+    want = dequantize_int8_reference(q, scales) @ deq + bias.float()
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+
+
+def test_w4a8_gemv_rows_are_their_one_row_results():
+    """A row's result does not depend on the rows beside it."""
+    weight, _ = _weight(256, 64, 128)
+    q, scales, sums = (t.to(DEV) for t in quantize_int8_reference(torch.randn(3, 256)))
+    args = (weight.qweight.to(DEV), weight.qzeros.to(DEV), weight.scales.to(DEV), 128,
+            torch.float32)
+    config = (32, 128, 1, 4, 1, False)
+    both = w4a8_gemv(q, scales, sums, *args, config=config)
+    for r in range(3):
+        one = w4a8_gemv(q[r:r + 1].contiguous(), scales[r:r + 1].contiguous(),
+                        sums[r:r + 1].contiguous(), *args, config=config)
+        assert torch.equal(both[r:r + 1], one)
+
+
+@pytest.mark.parametrize("n", [256, 384])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_int8_writes_the_norm_quantized(n, residual):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(3, n, generator=gen).to(DEV, torch.bfloat16)
+    r = torch.randn(3, n, generator=gen).to(DEV, torch.bfloat16) if residual else None
+    w = (1 + torch.randn(n, generator=gen) / 4).to(DEV, torch.bfloat16)
+    q, scales, sums, h = rms_norm_int8(x, w, 1e-6, r)
+    if residual:
+        y, h_want = fused_add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(h, h_want)
+    else:
+        y = rms_norm(x, w, 1e-6)
+        assert h is None
+    _assert_quantized_equal((q, scales, sums), quantize_int8_reference(y.cpu()))
+
+
+@pytest.mark.parametrize("d", [256, 1152])
+def test_silu_and_mul_int8_writes_the_product_quantized(d):
+    x = (torch.randn(2, 2 * d) * 3).to(DEV, torch.bfloat16)
+    got = silu_and_mul_int8(x)
+    _assert_quantized_equal(got, quantize_int8_reference(silu_and_mul(x).cpu()))
+
+
+LLAMA8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+           "down": (4096, 14336)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("shape", list(LLAMA8B))
+def test_w4a8_gemv_at_llama8b_shapes_on_cuda(shape):
+    """The tuned tiles, compiled with inline-PTX dp4a, against the float reference (1-4
+    rows)."""
+    n, k = LLAMA8B[shape]
+    weight, deq = _weight(k, n, 128)
+    deq = deq.cuda()
+    args = (weight.qweight.cuda(), weight.qzeros.cuda(), weight.scales.half().cuda(), 128,
+            torch.bfloat16)
+    for rows in range(1, MAX_ROWS + 1):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        q, scales, sums = quantize_int8(x)
+        got = w4a8_gemv(q, scales, sums, *args)
+        want = dequantize_int8_reference(q.cpu(), scales.cpu()).cuda() @ deq
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-2, f"{shape} rows={rows}: error {err}"
+        # Against the unquantized activations: the 8-bit rounding's cost.
+        exact = x.float() @ deq
+        err_x = ((got.float() - exact).abs().max() / exact.abs().max()).item()
+        assert err_x < 3e-2, f"{shape} rows={rows}: error against bf16 x {err_x}"
