@@ -76,41 +76,48 @@ def _pack_dot(low, high, xa, xb, ASM: tl.constexpr):
 
 @triton.jit
 def _x_tile(x_ptr, xs_ptr, xsum_ptr, k0, k_hi, XG: tl.constexpr, SUB: tl.constexpr,
-            BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-    """One row's int8 x for a tile: the words (xa, xb) [BLOCK_K / SUB, SUB / 8] of each pack
-    (``x_ptr``: the row as int64, one a pack) and each sub-tile's scale and sum."""
+            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+    """One row's int8 x for a tile: the words (xa, xb) [BLOCK_N, BLOCK_K / SUB, SUB / 8] of
+    each pack (``x_ptr``: the row as int64, one a pack; the same for every column) and each
+    sub-tile's scale and sum [BLOCK_N, BLOCK_K / SUB]."""
     sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
     inside = sub_start < k_hi
-    words = tl.load(x_ptr + (sub_start // 8)[:, None] + tl.arange(0, SUB // 8)[None, :],
-                    mask=inside[:, None], other=0)
+    # Loaded at the weight tile's shape (every column's thread its own copy, from L1): in
+    # the packs' own register layout, where a [BLOCK_K / SUB, SUB / 8] load would be moved
+    # there through shared memory every tile.
+    packs_at = (tl.zeros([BLOCK_N, 1, 1], tl.int32) + (sub_start // 8)[None, :, None]
+                + tl.arange(0, SUB // 8)[None, None, :])
+    words = tl.load(x_ptr + packs_at, mask=inside[None, :, None], other=0)
     xa = words.to(tl.int32)  # the low word: rows 0, 4, 1, 5 (int8_act's order)
     xb = (words >> 32).to(tl.int32)
-    xs = tl.load(xs_ptr + sub_start // XG, mask=inside, other=0.0)
+    groups_at = tl.zeros([BLOCK_N, 1], tl.int32) + (sub_start // XG)[None, :]
+    xs = tl.load(xs_ptr + groups_at, mask=inside[None, :], other=0.0)
     if SUB < XG:  # weight groups smaller than x's: the sub-tile's own sum of x
         ones = tl.full(xa.shape, 0x01010101, tl.int32)
-        xsum = tl.sum(_pack_dot(ones, ones, xa, xb, ASM), axis=1).to(tl.float32) * xs
+        xsum = tl.sum(_pack_dot(ones, ones, xa, xb, ASM), axis=2).to(tl.float32) * xs
     else:
-        xsum = tl.load(xsum_ptr + sub_start // XG, mask=inside, other=0.0)
+        xsum = tl.load(xsum_ptr + groups_at, mask=inside[None, :], other=0.0)
     return xa, xb, xs, xsum
 
 
 @triton.jit
 def _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k0, k_hi, ROWS: tl.constexpr,
-            XG: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+            XG: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+            ASM: tl.constexpr):
     """``_x_tile`` of rows 0..3; rows past ROWS stand in as row 0's and are never used."""
-    x0 = _x_tile(x_ptr, xs_ptr, xsum_ptr, k0, k_hi, XG, SUB, BLOCK_K, ASM)
+    x0 = _x_tile(x_ptr, xs_ptr, xsum_ptr, k0, k_hi, XG, SUB, BLOCK_K, BLOCK_N, ASM)
     x1 = x0
     x2 = x0
     x3 = x0
     if ROWS > 1:
         x1 = _x_tile(x_ptr + stride_x, xs_ptr + stride_xs, xsum_ptr + stride_xs, k0, k_hi, XG,
-                     SUB, BLOCK_K, ASM)
+                     SUB, BLOCK_K, BLOCK_N, ASM)
     if ROWS > 2:
         x2 = _x_tile(x_ptr + 2 * stride_x, xs_ptr + 2 * stride_xs, xsum_ptr + 2 * stride_xs,
-                     k0, k_hi, XG, SUB, BLOCK_K, ASM)
+                     k0, k_hi, XG, SUB, BLOCK_K, BLOCK_N, ASM)
     if ROWS > 3:
         x3 = _x_tile(x_ptr + 3 * stride_x, xs_ptr + 3 * stride_xs, xsum_ptr + 3 * stride_xs,
-                     k0, k_hi, XG, SUB, BLOCK_K, ASM)
+                     k0, k_hi, XG, SUB, BLOCK_K, BLOCK_N, ASM)
     return x0, x1, x2, x3
 
 
@@ -118,8 +125,8 @@ def _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k0, k_hi, ROWS: tl.con
 def _row_product(low, high, zf, scale, x, ASM: tl.constexpr):
     """[BLOCK_N, BLOCK_K / SUB] float32: each sub-tile's dequantized product with one row."""
     xa, xb, xs, xsum = x
-    dot = tl.sum(_pack_dot(low, high, xa[None, :, :], xb[None, :, :], ASM), axis=2)
-    return scale * (dot.to(tl.float32) * xs[None, :] - zf * xsum[None, :])
+    dot = tl.sum(_pack_dot(low, high, xa, xb, ASM), axis=2)
+    return scale * (dot.to(tl.float32) * xs - zf * xsum)
 
 
 @triton.jit
@@ -152,9 +159,9 @@ def _w4a8_gemv_kernel(x_ptr, xs_ptr, xsum_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, 
         qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP, SUB, BLOCK_N, BLOCK_K, WIDE_LOADS,
         PDL)
     x_first = _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k_lo, k_hi, ROWS, XG, SUB,
-                      BLOCK_K, ASM)
+                      BLOCK_K, BLOCK_N, ASM)
     x_second = _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k_lo + BLOCK_K, k_hi, ROWS,
-                       XG, SUB, BLOCK_K, ASM)
+                       XG, SUB, BLOCK_K, BLOCK_N, ASM)
     zero = tl.zeros([BLOCK_N, BLOCK_K // SUB], dtype=tl.float32)
     accs = (zero, zero, zero, zero)
     for k0 in range(k_lo, k_hi, 2 * BLOCK_K):
@@ -162,12 +169,12 @@ def _w4a8_gemv_kernel(x_ptr, xs_ptr, xsum_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, 
         w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0 + 2 * BLOCK_K, k_hi, n0, N, K8,
                                    GROUP, SUB, BLOCK_K, BLOCK_N)
         x_first = _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k0 + 2 * BLOCK_K, k_hi,
-                          ROWS, XG, SUB, BLOCK_K, ASM)
+                          ROWS, XG, SUB, BLOCK_K, BLOCK_N, ASM)
         accs = _tile_product(w_second, x_second, accs, ROWS, ASM)
         w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0 + 3 * BLOCK_K, k_hi, n0, N, K8,
                                     GROUP, SUB, BLOCK_K, BLOCK_N)
         x_second = _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k0 + 3 * BLOCK_K, k_hi,
-                           ROWS, XG, SUB, BLOCK_K, ASM)
+                           ROWS, XG, SUB, BLOCK_K, BLOCK_N, ASM)
     acc0, acc1, acc2, acc3 = accs
     offs_m = tl.arange(0, ROWS_P)[:, None]  # ROWS_P: ROWS up to a power of two
     offs_n = n0 + tl.arange(0, BLOCK_N)
