@@ -38,7 +38,7 @@ for part in $PARTS; do
     w4a8kernels) stage w4a8_kernels 150 python3 -m ember.bench.quant kernels --rows 1 2 4 \
                    --sweep-w4a8 --out "$OUT/w4a8_kernels.json" ;;
     w4a8engine) stage w4a8_engine 220 python3 -m ember.bench.quant engine \
-                  --model ember/configs/llama-3.1-8b --methods bf16 awq awq-bf16x fp8 \
+                  --model ember/configs/llama-3.1-8b --methods bf16 awq awq-int8x fp8 \
                   --num-prompts 32 --small-batches 2 4 --out "$OUT/w4a8_engine.json" ;;
     *) echo "unknown part $part" ;;
   esac

@@ -20,7 +20,8 @@ import torch
 from sm90_launch import compile_as_launched
 
 from ember.kernels import (argmax, fp8_gemv, fp8_quant, gguf_matmul, int4_dequant, int4_gemv,
-                           rms_norm, rotary, silu_and_mul, small_batch_linear, store_kv)
+                           int8_act, rms_norm, rotary, silu_and_mul, small_batch_linear,
+                           store_kv)
 
 torch.manual_seed(0)
 bf = torch.bfloat16
@@ -88,6 +89,9 @@ cases += [
      lambda: fp8_gemv.fp8_gemv(x8, w8, w_scale, config=(64, 512, 2, 4, 4),
                                x_scale=torch.rand(1, k // 1024))),
     (fp8_quant, "_per_token_fp8_kernel", lambda: fp8_quant.per_token_fp8(rows)),
+    (rms_norm, "_rms_norm_kernel", lambda: rms_norm.rms_norm_int8(rows, norm_w, 1e-6, rows)),
+    (silu_and_mul, "_silu_and_mul_int8_kernel", lambda: silu_and_mul.silu_and_mul_int8(gate_up)),
+    (int8_act, "_quantize_int8_kernel", lambda: int8_act.quantize_int8(rows)),
     (rotary, "_rotary_kernel", lambda: rotary.rotary_inplace(q, kk, cos, sin, 128)),
     (rotary, "_rotary_kernel",
      lambda: rotary.rotary_inplace(q, kk, cos, sin, 128, (head_w, head_w), 1e-6)),
@@ -109,4 +113,4 @@ print("compiled", len(splits))
 def test_kernels_compile_for_sm90_as_launched():
     proc = run_sm90_script(_SCRIPT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.strip().endswith("compiled 30"), proc.stdout[-2000:]
+    assert proc.stdout.strip().endswith("compiled 33"), proc.stdout[-2000:]

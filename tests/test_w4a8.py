@@ -171,3 +171,169 @@ def test_w4a8_gemv_at_llama8b_shapes_on_cuda(shape):
         exact = x.float() @ deq
         err_x = ((got.float() - exact).abs().max() / exact.abs().max()).item()
         assert err_x < 3e-2, f"{shape} rows={rows}: error against bf16 x {err_x}"
+
+
+@pytest.mark.skipif(ON_GPU, reason="the gpu cases cover CUDA")
+@pytest.mark.parametrize("group", [128, 64])
+def test_awq_layer_takes_int8_rows_on_the_interpreter(group, monkeypatch):
+    """With KernelConfig(int4_int8_activations=True) a 4-bit layer asks for int8 rows at 1-2
+    half-precision rows (not 3, not float32), and given them (as a producer writes them:
+    ember.testing's check hands them over) computes through w4a8_gemv within the bf16 bound of
+    x @ dequantized.T."""
+    import dataclasses
+    from functools import partial
+
+    from ember.kernels import w4a8_gemv as w4a8_module
+    from ember.kernels.config import kernel_config, use_kernel_config
+    from ember.quantization import int4_linear
+    from ember.testing import check_quantized_linear
+    from ember.testing.quantized_checkpoints import awq_tensors
+
+    monkeypatch.setattr(int4_linear, "_kernels_take", lambda x: True)
+    launched = []
+    real = w4a8_module.w4a8_gemv
+
+    def spy(xq, *args, **kwargs):
+        launched.append(xq.shape[0])
+        return real(xq, *args, **kwargs)
+
+    monkeypatch.setattr(w4a8_module, "w4a8_gemv", spy)
+    with use_kernel_config(dataclasses.replace(kernel_config(), int4_int8_activations=True)):
+        check_quantized_linear("awq", partial(awq_tensors, group_size=group),
+                               config={"group_size": group}, shapes=(([64, 32], 256),),
+                               batch_sizes=(1, 2, 3), dtypes=("bfloat16", "float16"))
+        method = int4_linear.Int4LinearMethod(group)
+        layer = type("L", (), {"in_features": 256})()
+        assert method.quantized_input_dtype(layer, torch.zeros(2, 256).half()) == torch.int8
+        assert method.quantized_input_dtype(layer, torch.zeros(3, 256).half()) is None
+        assert method.quantized_input_dtype(layer, torch.zeros(1, 256)) is None
+        layer.in_features = 192  # not whole groups of 128 columns
+        assert method.quantized_input_dtype(layer, torch.zeros(1, 192).half()) is None
+    assert sorted(set(launched)) == [1, 2] and len(launched) == 4, launched
+    assert int4_linear.Int4LinearMethod(group).quantized_input_dtype(
+        type("L", (), {"in_features": 256})(), torch.zeros(1, 256).half()) is None  # off
+
+
+_SM90_SCRIPT = r'''
+import re
+import torch
+from sm90_launch import compile_as_launched
+from ember.kernels import int8_act, w4a8_gemv
+
+# Llama-8B's projections with their tiles: dp4a in inline PTX, two a pack, the unpacking
+# shared by the rows, no register spills.
+for k, n in [(4096, 6144), (4096, 28672), (14336, 4096)]:
+    qw = torch.randint(0, 2**31 - 1, (n, k // 8), dtype=torch.int32)
+    qz = torch.randint(0, 2**31 - 1, (k // 128, n // 8), dtype=torch.int32)
+    s = torch.rand(k // 128, n).half()
+    counts = {}
+    for rows in (1, 2):
+        xq = int8_act.quantize_int8_reference(torch.randn(rows, k))
+        config = w4a8_gemv.w4a8_gemv_config(n, k, torch.device("cpu"))  # both: one-row tiles
+        (consts, ptx), = compile_as_launched(
+            w4a8_gemv, "_w4a8_gemv_kernel",
+            lambda: w4a8_gemv.w4a8_gemv(*xq, qw, qz, s, 128, torch.bfloat16, config=config))
+        assert consts["ASM"] and consts["ROWS"] == rows, consts
+        assert "ld.local" not in ptx and "st.local" not in ptx, (k, n, rows, "spilled")
+        packs = 2 * config.block_n * config.block_k // 8 // (32 * config.num_warps)
+        counts[rows] = (len(re.findall(r"dp4a\.u32\.s32", ptx)),
+                        len(re.findall(r"and\.b32\s+%r\d+, %r\d+, 0x0f0f0f0f", ptx)))
+        assert counts[rows][0] == 2 * rows * packs, (k, n, rows, counts, packs)
+    assert counts[1][1] == counts[2][1] > 0, (k, n, "the unpacking repeated per row", counts)
+print("ok")
+'''
+
+
+@pytest.mark.slow
+def test_w4a8_gemv_compiles_for_sm90():
+    """Without a GPU (tests/sm90_launch.py): launched as w4a8_gemv launches it, at Llama-8B's
+    shapes with the one-row tiles for 1 and 2 rows, the kernel compiles for sm90 with two
+    inline-PTX dp4a a pack a row, one unpacking of each pack for every row, and no register
+    spills."""
+    from conftest import run_sm90_script
+
+    proc = run_sm90_script(_SM90_SCRIPT)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_awq_layers_take_int8_rows_on_cuda():
+    """ember.testing's check at a Llama-8B-like fused shape with int8 rows on: 1-2 rows also
+    through w4a8_gemv on the rows a producer writes, within the bf16 bound."""
+    import dataclasses
+    from functools import partial
+
+    from ember.kernels.config import kernel_config, use_kernel_config
+    from ember.testing import check_quantized_linear
+    from ember.testing.quantized_checkpoints import awq_tensors
+
+    with use_kernel_config(dataclasses.replace(kernel_config(), int4_int8_activations=True)):
+        lines = check_quantized_linear("awq", partial(awq_tensors, group_size=128),
+                                       config={"group_size": 128}, device="cuda",
+                                       shapes=(([1024, 512], 4096),), batch_sizes=(1, 2, 3),
+                                       dtypes=("float16", "bfloat16"))
+    print("\n".join(lines))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_awq_model_with_int8_rows_against_half_rows(tmp_path, monkeypatch):
+    """A bf16 AWQ model decoding two sequences with int8 rows (its norms and SiLU-and-mul
+    writing them, w4a8_gemv computing) against the same model with half-precision rows: the
+    producers run only with int8 rows on, and the generated tokens' logprobs agree within the
+    8-bit rounding's effect (printed with the greedy agreement)."""
+    import dataclasses
+
+    from model_factory import make_tiny_model
+
+    from ember import LLM, SamplingParams
+    from ember.kernels import rms_norm as rms_norm_module
+    from ember.kernels import silu_and_mul as silu_module
+    from ember.kernels.config import kernel_config, use_kernel_config
+    from ember.testing.quantized_checkpoints import write_quantized_checkpoint
+
+    calls = {"rms_norm_int8": 0, "silu_and_mul_int8": 0}
+
+    def counting(fn, name):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for module, name in ((rms_norm_module, "rms_norm_int8"), (silu_module, "silu_and_mul_int8")):
+        monkeypatch.setattr(module, name, counting(getattr(module, name), name))
+    src = str(make_tiny_model("llama", tmp_path / "src", hidden_size=512,
+                              intermediate_size=1024, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=128, num_hidden_layers=4))
+    write_quantized_checkpoint(src, str(tmp_path / "awq"), "awq", group_size=128)
+    prompts = [{"prompt_token_ids": [5, 17, 42, 99, 3, 250, 11]},
+               {"prompt_token_ids": [200, 1, 77, 13]}]
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
+
+    def run(int8: bool):
+        config = dataclasses.replace(kernel_config(), int4_int8_activations=int8)
+        with use_kernel_config(config):
+            llm = LLM(str(tmp_path / "awq"), skip_tokenizer_init=True, max_model_len=128,
+                      dtype="bfloat16")
+        outs = llm.generate(prompts, params)
+        llm.shutdown()
+        return [(o.outputs[0].token_ids,
+                 [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                for o in outs]
+
+    half = run(False)
+    assert calls == {"rms_norm_int8": 0, "silu_and_mul_int8": 0}
+    int8 = run(True)
+    assert calls["rms_norm_int8"] > 0 and calls["silu_and_mul_int8"] > 0
+    same = total = 0
+    err = 0.0
+    for (tok_a, lp_a), (tok_b, lp_b) in zip(half, int8):
+        for i, (a, b) in enumerate(zip(tok_a, tok_b)):
+            total += 1
+            same += a == b
+            if tok_a[:i + 1] == tok_b[:i + 1]:  # the same context so far
+                err = max(err, abs(lp_a[i] - lp_b[i]))
+    print(f"AWQ int8 rows vs half rows: greedy agreement {same / total:.2f}, max logprob "
+          f"difference on shared prefixes {err:.4f} nats")
+    assert err < 1.0

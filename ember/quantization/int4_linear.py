@@ -4,9 +4,9 @@
 computes it:
 
 - on CUDA (outside a torch.compile trace) with ember's Triton kernels: for 1-2 rows (decoding
-  one or two sequences) ``w4a8_gemv`` on int8 activations the norm or SiLU-and-mul before wrote
-  (``quantized_input_dtype``; KernelConfig.int4_int8_activations) or else ``int4_gemv``, on the
-  CUDA cores; ``int4_mma`` on the tensor cores
+  one or two sequences) ``int4_gemv`` on the CUDA cores, or with
+  KernelConfig.int4_int8_activations ``w4a8_gemv`` on the int8 rows the norm or SiLU-and-mul
+  before wrote (``quantized_input_dtype``); ``int4_mma`` on the tensor cores
   for 3-64 half-precision rows (whole 128-row tiles inside each group; otherwise, and in
   float32, ``int4_gemv`` up to 4 rows); more rows, the weight dequantized for the call
   (``int4_dequant``) and cuBLAS;
@@ -159,13 +159,12 @@ class Int4LinearMethod(LinearMethod):
         return layer.in_features if self.group_size == -1 else self.group_size
 
     def quantized_input_dtype(self, layer: Linear, x: torch.Tensor) -> torch.dtype | None:
-        from ember.kernels import dispatch
         from ember.kernels.config import kernel_config
         from ember.kernels.int8_act import GROUP
 
         # GPTQ's desc_act layers permute x's columns first: they take it as it is.
         if (kernel_config().int4_int8_activations and x.shape[0] <= W4A8_ROWS
-                and _kernels_take(x) and dispatch.takes_kernel(x)
+                and x.dtype in (torch.float16, torch.bfloat16) and _kernels_take(x)
                 and layer.in_features % GROUP == 0 and getattr(layer, "perm", None) is None):
             return torch.int8
         return None
