@@ -81,13 +81,25 @@ def pairs_dot_bf16x2(q01, q23, q45, q67, x01, x23, x45, x67):
 
 @triton.jit
 def row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, K8, GROUP: tl.constexpr,
-                     SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                     SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     EVEN: tl.constexpr = False):
     """The weight-side loads of one tile of the one-row product, rows k0..k0 + BLOCK_K in
     sub-tiles of SUB rows (each inside one group) of a weight with K8 packs a column: (packs
     [BLOCK_N, BLOCK_K / SUB, SUB / 8], zero points and scales [BLOCK_N, BLOCK_K / SUB]); 0 past
-    k_hi. A column's packs are one contiguous run."""
+    k_hi. A column's packs are one contiguous run. EVEN: every tile is whole (N a multiple of
+    BLOCK_N, each split whole tiles), so a tile is loaded or not as one (a tile past k_hi is
+    left undefined, for a caller that never uses it): no per-element masks or zero fill."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
+    if EVEN:
+        inside = k0 < k_hi
+        rows = (sub_start // 8)[None, :, None] + tl.arange(0, SUB // 8)[None, None, :]
+        packs = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None, None] * K8 + rows, mask=inside)
+        g = (sub_start // GROUP)[None, :]
+        z = tl.load(qz_ptr + g * (N // 8) + (offs_n // 8)[:, None], mask=inside)
+        z = (z >> ((offs_n % 8) * 4)[:, None]) & 0xF
+        scale = tl.load(s_ptr + g * N + offs_n[:, None], mask=inside).to(tl.float32)
+        return packs, z, scale
     mask = (offs_n < N)[:, None] & (sub_start < k_hi)[None, :]
     rows = (sub_start // 8)[None, :, None] + tl.arange(0, SUB // 8)[None, None, :]
     packs = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None, None] * K8 + rows,
@@ -101,13 +113,14 @@ def row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, K8, GROUP: tl.const
 
 @triton.jit
 def stream_start(qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP: tl.constexpr,
-                  SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  WIDE_LOADS: tl.constexpr, PDL: tl.constexpr):
+                 SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 WIDE_LOADS: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr = False):
     """A program's first column, its split's rows [k_lo, k_hi), the packs a column, and the
     loads of its first two weight tiles: issued before the PDL wait, as the weight depends on
     no earlier kernel, while the kernel before still runs. WIDE_LOADS: pack offsets the
     compiler can prove 16-byte aligned (K8 = K / 8 passed in, whole steps per split), so each
-    thread loads 4 packs an instruction, not 2; otherwise K / 8 is provably even only."""
+    thread loads 4 packs an instruction, not 2; otherwise K / 8 is provably even only. EVEN:
+    see ``row_tile_weights``."""
     n0 = tl.program_id(0) * BLOCK_N
     if WIDE_LOADS:
         k_lo = tl.multiple_of(tl.program_id(1) * k_per_split, 2 * BLOCK_K)
@@ -117,9 +130,9 @@ def stream_start(qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP: tl.constex
         k8 = K // 8
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo, k_hi, n0, N, k8, GROUP, SUB, BLOCK_K,
-                               BLOCK_N)
+                               BLOCK_N, EVEN)
     w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k_lo + BLOCK_K, k_hi, n0, N, k8, GROUP,
-                                SUB, BLOCK_K, BLOCK_N)
+                                SUB, BLOCK_K, BLOCK_N, EVEN)
     if PDL:  # see ember.kernels.launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

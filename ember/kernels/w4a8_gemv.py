@@ -6,16 +6,19 @@ SM issues while HBM delivers 4-bit weights at full rate, so it reads at about ha
 bandwidth. Here x arrives quantized by the kernel that wrote it (ember.kernels.int8_act: int8,
 one scale per row and 128 columns, in the packs' row order), and a pack's eight products are a
 mask, a shift, a mask and two ``dp4a`` (four int8 products summed into an int32 each): under
-one instruction a weight. Each sub-tile (inside one weight group and one x group) sums its
-packs' integer dots and applies the scales once: scale_w * (scale_x * dot - z * sums_x), in
-float32 (where weight groups are smaller than x's 128 columns, the sub-tile sums its own x
-bytes with two more dp4a a pack). The integer dot is exact; the result differs from the bf16 GEMV's by the
-activations' 8-bit rounding (per group of 128: half a step of amax / 127).
+one instruction a weight (the compiled loop, with its loads, addresses and the per-group
+reduction, ~1.8 at one row; docs/benchmarks.md). Each sub-tile (inside one weight group and
+one x group) sums its packs' integer dots and applies the scales once, in float32:
+scale_w * (scale_x * dot - z * sums_x). Where weight groups are smaller than x's 128
+columns, the sub-tile sums its own x bytes (two more dp4a a pack). The integer dot is exact;
+the result differs from the bf16 GEMV's by the activations' 8-bit rounding (per group of 128:
+half a step of amax / 127).
 
 The weight streams as in int4_gemv (ember.kernels.int4_tile: column-major packs, two tiles in
 flight per thread, the first two loaded before the PDL wait); K splits merge in the kernel
-(ember.kernels.split_k). With 2-4 rows each pack is unpacked once for all of them. Without a
-GPU (the interpreter) dp4a is computed from its bytes.
+(ember.kernels.split_k). Where every tile is whole (EVEN) a tile loads under one predicate,
+without per-element masks. With 2-4 rows each pack is unpacked once for all of them. Without
+a GPU (the interpreter) dp4a is computed from its bytes.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def _pack_dot(low, high, xa, xb, ASM: tl.constexpr):
 
 @triton.jit
 def _x_tile(x_ptr, xs_ptr, xsum_ptr, k0, k_hi, XG: tl.constexpr, SUB: tl.constexpr,
-            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+            ASM: tl.constexpr):
     """One row's int8 x for a tile: the words (xa, xb) [BLOCK_N, BLOCK_K / SUB, SUB / 8] of
     each pack (``x_ptr``: the row as int64, one a pack; the same for every column) and each
     sub-tile's scale and sum [BLOCK_N, BLOCK_K / SUB]."""
@@ -87,14 +91,20 @@ def _x_tile(x_ptr, xs_ptr, xsum_ptr, k0, k_hi, XG: tl.constexpr, SUB: tl.constex
     # there through shared memory every tile.
     packs_at = (tl.zeros([BLOCK_N, 1, 1], tl.int32) + (sub_start // 8)[None, :, None]
                 + tl.arange(0, SUB // 8)[None, None, :])
-    words = tl.load(x_ptr + packs_at, mask=inside[None, :, None], other=0)
+    groups_at = tl.zeros([BLOCK_N, 1], tl.int32) + (sub_start // XG)[None, :]
+    if EVEN:  # whole tiles: loaded or not as one (see int4_tile.row_tile_weights)
+        words = tl.load(x_ptr + packs_at, mask=k0 < k_hi)
+        xs = tl.load(xs_ptr + groups_at, mask=k0 < k_hi)
+    else:
+        words = tl.load(x_ptr + packs_at, mask=inside[None, :, None], other=0)
+        xs = tl.load(xs_ptr + groups_at, mask=inside[None, :], other=0.0)
     xa = words.to(tl.int32)  # the low word: rows 0, 4, 1, 5 (int8_act's order)
     xb = (words >> 32).to(tl.int32)
-    groups_at = tl.zeros([BLOCK_N, 1], tl.int32) + (sub_start // XG)[None, :]
-    xs = tl.load(xs_ptr + groups_at, mask=inside[None, :], other=0.0)
     if SUB < XG:  # weight groups smaller than x's: the sub-tile's own sum of x
         ones = tl.full(xa.shape, 0x01010101, tl.int32)
         xsum = tl.sum(_pack_dot(ones, ones, xa, xb, ASM), axis=2).to(tl.float32) * xs
+    elif EVEN:
+        xsum = tl.load(xsum_ptr + groups_at, mask=k0 < k_hi)
     else:
         xsum = tl.load(xsum_ptr + groups_at, mask=inside[None, :], other=0.0)
     return xa, xb, xs, xsum
@@ -103,21 +113,21 @@ def _x_tile(x_ptr, xs_ptr, xsum_ptr, k0, k_hi, XG: tl.constexpr, SUB: tl.constex
 @triton.jit
 def _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k0, k_hi, ROWS: tl.constexpr,
             XG: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-            ASM: tl.constexpr):
+            EVEN: tl.constexpr, ASM: tl.constexpr):
     """``_x_tile`` of rows 0..3; rows past ROWS stand in as row 0's and are never used."""
-    x0 = _x_tile(x_ptr, xs_ptr, xsum_ptr, k0, k_hi, XG, SUB, BLOCK_K, BLOCK_N, ASM)
+    x0 = _x_tile(x_ptr, xs_ptr, xsum_ptr, k0, k_hi, XG, SUB, BLOCK_K, BLOCK_N, EVEN, ASM)
     x1 = x0
     x2 = x0
     x3 = x0
     if ROWS > 1:
         x1 = _x_tile(x_ptr + stride_x, xs_ptr + stride_xs, xsum_ptr + stride_xs, k0, k_hi, XG,
-                     SUB, BLOCK_K, BLOCK_N, ASM)
+                     SUB, BLOCK_K, BLOCK_N, EVEN, ASM)
     if ROWS > 2:
         x2 = _x_tile(x_ptr + 2 * stride_x, xs_ptr + 2 * stride_xs, xsum_ptr + 2 * stride_xs,
-                     k0, k_hi, XG, SUB, BLOCK_K, BLOCK_N, ASM)
+                     k0, k_hi, XG, SUB, BLOCK_K, BLOCK_N, EVEN, ASM)
     if ROWS > 3:
         x3 = _x_tile(x_ptr + 3 * stride_x, xs_ptr + 3 * stride_xs, xsum_ptr + 3 * stride_xs,
-                     k0, k_hi, XG, SUB, BLOCK_K, BLOCK_N, ASM)
+                     k0, k_hi, XG, SUB, BLOCK_K, BLOCK_N, EVEN, ASM)
     return x0, x1, x2, x3
 
 
@@ -152,29 +162,30 @@ def _w4a8_gemv_kernel(x_ptr, xs_ptr, xsum_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, 
                       stride_o, GROUP: tl.constexpr, XG: tl.constexpr, SUB: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, WIDE_LOADS: tl.constexpr, ROWS: tl.constexpr,
-                      ROWS_P: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                      ROWS_P: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
+                      PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0, k_lo, k_hi, K8, w_first, w_second = stream_start(
         qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP, SUB, BLOCK_N, BLOCK_K, WIDE_LOADS,
-        PDL)
+        PDL, EVEN)
     x_first = _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k_lo, k_hi, ROWS, XG, SUB,
-                      BLOCK_K, BLOCK_N, ASM)
+                      BLOCK_K, BLOCK_N, EVEN, ASM)
     x_second = _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k_lo + BLOCK_K, k_hi, ROWS,
-                       XG, SUB, BLOCK_K, BLOCK_N, ASM)
+                       XG, SUB, BLOCK_K, BLOCK_N, EVEN, ASM)
     zero = tl.zeros([BLOCK_N, BLOCK_K // SUB], dtype=tl.float32)
     accs = (zero, zero, zero, zero)
     for k0 in range(k_lo, k_hi, 2 * BLOCK_K):
         accs = _tile_product(w_first, x_first, accs, ROWS, ASM)
         w_first = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0 + 2 * BLOCK_K, k_hi, n0, N, K8,
-                                   GROUP, SUB, BLOCK_K, BLOCK_N)
+                                   GROUP, SUB, BLOCK_K, BLOCK_N, EVEN)
         x_first = _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k0 + 2 * BLOCK_K, k_hi,
-                          ROWS, XG, SUB, BLOCK_K, BLOCK_N, ASM)
+                          ROWS, XG, SUB, BLOCK_K, BLOCK_N, EVEN, ASM)
         accs = _tile_product(w_second, x_second, accs, ROWS, ASM)
         w_second = row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0 + 3 * BLOCK_K, k_hi, n0, N, K8,
-                                    GROUP, SUB, BLOCK_K, BLOCK_N)
+                                    GROUP, SUB, BLOCK_K, BLOCK_N, EVEN)
         x_second = _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k0 + 3 * BLOCK_K, k_hi,
-                           ROWS, XG, SUB, BLOCK_K, BLOCK_N, ASM)
+                           ROWS, XG, SUB, BLOCK_K, BLOCK_N, EVEN, ASM)
     acc0, acc1, acc2, acc3 = accs
     offs_m = tl.arange(0, ROWS_P)[:, None]  # ROWS_P: ROWS up to a power of two
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -243,6 +254,7 @@ def w4a8_gemv(xq: torch.Tensor, x_scales: torch.Tensor, x_sums: torch.Tensor,
         k // 8, splits.k_per_split, x_words.stride(0), x_scales.stride(0), out.stride(0),
         GROUP=group_size, XG=X_GROUP, SUB=sub, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=splits.split_k, HAS_BIAS=bias is not None, WIDE_LOADS=wide_loads, ROWS=m,
-        ROWS_P=1 << (m - 1).bit_length(), ASM=compiled_for_gpu(xq), num_warps=num_warps,
+        ROWS_P=1 << (m - 1).bit_length(), EVEN=n % block_n == 0 and k % (2 * block_k) == 0,
+        ASM=compiled_for_gpu(xq), num_warps=num_warps,
         num_stages=num_stages, **pdl_options(xq))
     return out
