@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ember.kernels.split_k import split_k_total
+
 
 @triton.jit
 def pair_shift(j):
@@ -137,6 +139,33 @@ def stream_start(qw_ptr, qz_ptr, s_ptr, N, K, K8, k_per_split, GROUP: tl.constex
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     return n0, k_lo, k_hi, k8, w_first, w_second
+
+
+@triton.jit
+def store_row_totals(t0, t1, t2, t3, n0, N, bias_ptr, out_ptr, stride_o, part_ptr, counters_ptr,
+                     pid_n, pid_k, ROWS: tl.constexpr, ROWS_P: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A GEMV program's end: the float32 sums [BLOCK_N] of rows 0..ROWS-1 (t0..t3; those past
+    ROWS ignored) merged over the K splits (ember.kernels.split_k), the bias added, stored at
+    columns n0.. of ``out``."""
+    offs_m = tl.arange(0, ROWS_P)[:, None]  # ROWS_P: ROWS up to a power of two
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    total = t0[None, :]
+    if ROWS > 1:
+        total = tl.where(offs_m == 0, total, 0.0)
+        total = tl.where(offs_m == 1, t1[None, :], total)
+    if ROWS > 2:
+        total = tl.where(offs_m == 2, t2[None, :], total)
+    if ROWS > 3:
+        total = tl.where(offs_m == 3, t3[None, :], total)
+    mask = (offs_m < ROWS) & (offs_n < N)[None, :]
+    total, last = split_k_total(total, part_ptr, counters_ptr, pid_n, pid_k,
+                                offs_m * N + offs_n[None, :], mask, ROWS * N, SPLIT_K)
+    if last:
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m * stride_o + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 @triton.jit

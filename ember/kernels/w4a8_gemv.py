@@ -30,10 +30,10 @@ import triton
 import triton.language as tl
 
 from ember.kernels.int4_gemv import row_sub_tile
-from ember.kernels.int4_tile import row_tile_weights, stream_start
+from ember.kernels.int4_tile import row_tile_weights, store_row_totals, stream_start
 from ember.kernels.int8_act import GROUP as X_GROUP
 from ember.kernels.launch import cdiv, compiled_for_gpu, num_sms, pdl_options
-from ember.kernels.split_k import split_k_launch, split_k_total
+from ember.kernels.split_k import split_k_launch
 from ember.kernels.tuning import DeviceTuning, Int4GemvConfig, tuning_for
 
 MAX_ROWS = 4
@@ -187,24 +187,18 @@ def _w4a8_gemv_kernel(x_ptr, xs_ptr, xsum_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, 
         x_second = _rows_x(x_ptr, xs_ptr, xsum_ptr, stride_x, stride_xs, k0 + 3 * BLOCK_K, k_hi,
                            ROWS, XG, SUB, BLOCK_K, BLOCK_N, EVEN, ASM)
     acc0, acc1, acc2, acc3 = accs
-    offs_m = tl.arange(0, ROWS_P)[:, None]  # ROWS_P: ROWS up to a power of two
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    total = tl.sum(acc0, 1)[None, :]
+    t0 = tl.sum(acc0, 1)
+    t1 = t0
+    t2 = t0
+    t3 = t0
     if ROWS > 1:
-        total = tl.where(offs_m == 0, total, 0.0)
-        total = tl.where(offs_m == 1, tl.sum(acc1, 1)[None, :], total)
+        t1 = tl.sum(acc1, 1)
     if ROWS > 2:
-        total = tl.where(offs_m == 2, tl.sum(acc2, 1)[None, :], total)
+        t2 = tl.sum(acc2, 1)
     if ROWS > 3:
-        total = tl.where(offs_m == 3, tl.sum(acc3, 1)[None, :], total)
-    mask = (offs_m < ROWS) & (offs_n < N)[None, :]
-    total, last = split_k_total(total, part_ptr, counters_ptr, pid_n, pid_k,
-                                offs_m * N + offs_n[None, :], mask, ROWS * N, SPLIT_K)
-    if last:
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m * stride_o + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        t3 = tl.sum(acc3, 1)
+    store_row_totals(t0, t1, t2, t3, n0, N, bias_ptr, out_ptr, stride_o, part_ptr, counters_ptr,
+                     pid_n, pid_k, ROWS, ROWS_P, BLOCK_N, SPLIT_K, HAS_BIAS)
 
 
 def w4a8_gemv_config(n: int, k: int, device: torch.device, rows: int = 1) -> Int4GemvConfig:
