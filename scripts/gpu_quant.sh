@@ -3,7 +3,7 @@
 # kernels and methods, the quantized linear kernels at Llama-3.1-8B's shapes, and Llama-3.1-8B
 # (dummy weights) with bf16, fp8 and AWQ side by side on nano-vllm's workload and at batch 1.
 # Usage: scripts/gpu_quant.sh [PART...]   parts: tests kernels engine attention w4a8tests
-# w4a8kernels w4a8engine
+# w4a8kernels w4a8engine w4a8profile
 # (default: tests kernels engine; attention = the attention kernels' own GPU tests, which gpu_suite's
 # tests part also runs). Results under $OUT: quant.log, quant_tests.xml, quant_kernels.json,
 # quant_llama8b.json.
@@ -40,6 +40,13 @@ for part in $PARTS; do
     w4a8engine) stage w4a8_engine 220 python3 -m ember.bench.quant engine \
                   --model ember/configs/llama-3.1-8b --methods bf16 awq awq-int8x fp8 \
                   --num-prompts 32 --small-batches 2 4 --out "$OUT/w4a8_engine.json" ;;
+    # Where an AWQ batch-1 step goes with int8 rows: device time per kernel (PDL off).
+    w4a8profile) AWQ_DIR=$(python3 -c "from ember.bench.quant import awq_config_dir; \
+                   print(awq_config_dir('ember/configs/llama-3.1-8b'))")
+                 stage w4a8_profile 150 python3 -m ember.bench.profile_steps --model "$AWQ_DIR" \
+                   --num-requests 1 --input-len 128 128 --output-len 600 600 --skip 20 \
+                   --steps 100 --no-pdl --kernel-config int4_int8_activations=true \
+                   --out "$OUT/w4a8_profile.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done

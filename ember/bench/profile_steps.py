@@ -9,6 +9,7 @@ Usage: python -m ember.bench.profile_steps --model ember/configs/qwen3-0.6b [--s
 Batch 1 (the single-stream case): add --num-requests 1 --input-len 128 128 --output-len 600 600
 --no-pdl: each kernel's device time without the wait that PDL folds into it.
 --quantization fp8 (or another method): the model quantized as LLM(quantization=...) would.
+--kernel-config FIELD=BOOL ...: KernelConfig switches (e.g. int4_int8_activations=true).
 """
 
 from __future__ import annotations
@@ -70,6 +71,23 @@ def host_breakdown(engine: LLMEngine, steps: int) -> dict[str, float]:
     return {k: round(1000 * v / steps, 3) for k, v in totals.items()}
 
 
+def set_kernel_fields(assignments: list[str]) -> None:
+    """Switch the named KernelConfig fields ("field=true" / "field=false") for this process."""
+    import dataclasses
+
+    from ember.kernels import KernelConfig, kernel_config, set_kernel_config
+
+    fields = {f.name for f in dataclasses.fields(KernelConfig)}
+    changes = {}
+    for item in assignments:
+        name, _, value = item.partition("=")
+        if name not in fields or value.lower() not in ("true", "false"):
+            raise SystemExit(f"--kernel-config {item!r}: expected FIELD=true|false, FIELD one "
+                             f"of {', '.join(sorted(fields))}")
+        changes[name] = value.lower() == "true"
+    set_kernel_config(dataclasses.replace(kernel_config(), **changes))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -83,12 +101,11 @@ def main() -> None:
                              "profiled time is its own (with PDL it includes its wait)")
     parser.add_argument("--quantization", default=None,
                         help="quantize the dummy model at load (e.g. fp8)")
+    parser.add_argument("--kernel-config", nargs="*", default=[], metavar="FIELD=BOOL",
+                        help="KernelConfig fields to switch, e.g. int4_int8_activations=true")
     parser.add_argument("--out", default=None)
     ns = parser.parse_args()
-    if ns.no_pdl:
-        from ember.kernels import KernelConfig, set_kernel_config
-
-        set_kernel_config(KernelConfig(pdl=False))
+    set_kernel_fields(["pdl=false"] * ns.no_pdl + ns.kernel_config)
 
     engine = LLMEngine(EngineArgs(model=ns.model, load_format="dummy", skip_tokenizer_init=True,
                                   max_model_len=4096, show_progress=False,

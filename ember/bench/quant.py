@@ -193,7 +193,7 @@ def bench_kernels(ns: argparse.Namespace) -> dict:
     return {"copy_bandwidth_tb_s": copy_bw / 1e12, "rows": rows}
 
 
-def _awq_dir(model: str) -> str:
+def awq_config_dir(model: str) -> str:
     """A temporary copy of ``model``'s config.json with an AWQ quantization_config."""
     from ember.testing.quantized_checkpoints import quantization_config
 
@@ -233,7 +233,7 @@ def bench_engine(ns: argparse.Namespace) -> dict:
                   skip_tokenizer_init=True, gpu_memory_utilization=0.9)
         path = ns.model
         if method in AWQ_METHODS:
-            path = _awq_dir(ns.model)
+            path = awq_config_dir(ns.model)
         if method in ("fp8", "fp8-self-quant", "fp8-exact-accum", "fp8-fp8kv"):
             kw["quantization"] = "fp8"
         if method in ("fp8kv", "fp8-fp8kv"):
