@@ -237,7 +237,7 @@ for k, n in [(4096, 6144), (4096, 28672), (14336, 4096)]:
         assert "ld.local" not in ptx and "st.local" not in ptx, (k, n, rows, "spilled")
         packs = 2 * config.block_n * config.block_k // 8 // (32 * config.num_warps)
         counts[rows] = (len(re.findall(r"dp4a\.u32\.s32", ptx)),
-                        len(re.findall(r"and\.b32\s+%r\d+, %r\d+, 0x0f0f0f0f", ptx)))
+                        len(re.findall(r"and\.b32\s+%r\d+, %r\d+, 252645135;", ptx)))  # 0x0F0F0F0F
         assert counts[rows][0] == 2 * rows * packs, (k, n, rows, counts, packs)
     assert counts[1][1] == counts[2][1] > 0, (k, n, "the unpacking repeated per row", counts)
 print("ok")

@@ -40,18 +40,8 @@ MAX_ROWS = 4
 
 
 @triton.jit
-def _nibble_bytes(packs, ASM: tl.constexpr):
+def _nibble_bytes(packs):
     """(low, high): a pack's nibbles as bytes, rows 0, 4, 1, 5 and rows 2, 6, 3, 7."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 sh;
-            and.b32 $0, $2, 0x0f0f0f0f;
-            shr.u32 sh, $2, 4;
-            and.b32 $1, sh, 0x0f0f0f0f;
-            }""",
-            constraints="=r,=r,r", args=[packs], dtype=(tl.int32, tl.int32), is_pure=True,
-            pack=1)
     return packs & 0x0F0F0F0F, (packs >> 4) & 0x0F0F0F0F
 
 
@@ -144,7 +134,7 @@ def _tile_product(weights, xs, accs, ROWS: tl.constexpr, ASM: tl.constexpr):
     packs, z, scale = weights
     x0, x1, x2, x3 = xs
     acc0, acc1, acc2, acc3 = accs
-    low, high = _nibble_bytes(packs, ASM)
+    low, high = _nibble_bytes(packs)
     zf = z.to(tl.float32)
     acc0 += _row_product(low, high, zf, scale, x0, ASM)
     if ROWS > 1:
