@@ -32,52 +32,52 @@ GROUPS_PER_PROGRAM = 8  # quantize_int8: 1,024 columns a program
 
 
 @triton.jit
-def stored_position(cols):
-    """Where column ``cols`` (a tensor of column indices) is stored: its place in the packs'
-    order within its 8 columns."""
-    j = cols % 8
-    return cols - j + (j % 4) * 2 + j // 4
+def group_tile(group0, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """(columns [GROUPS, GROUP / 8, 8], groups [GROUPS]) of the GROUPS groups from ``group0``:
+    a row's groups as 8-column runs, the shape ``store_groups`` takes."""
+    groups = group0 + tl.arange(0, GROUPS)
+    cols = (groups[:, None, None] * GROUP + tl.arange(0, GROUP // 8)[None, :, None] * 8
+            + tl.arange(0, 8)[None, None, :])
+    return cols, groups
 
 
 @triton.jit
-def quantize_groups(y):
-    """(q int32 in [-127, 127], scale, sums) of float32 ``y`` [groups, GROUP], one group a row:
-    scale = amax / 127 and sums = scale * sum(q) per group [groups]."""
-    amax = tl.max(tl.abs(y), axis=1)
+def store_groups(y, groups, n_groups, words_row, scale_row, sums_row, GROUP: tl.constexpr):
+    """Quantize float32 ``y`` [G, GROUP / 8, 8] (``group_tile``'s groups ``groups`` of one row)
+    and store the int8 values, 8 columns as one int64 word in the packs' order, at the row's
+    words (int64), and each group's scale and sum; groups from ``n_groups`` on are not
+    stored."""
+    amax = tl.max(tl.max(tl.abs(y), axis=2), axis=1)
     scale = amax / 127.0
     inv = 127.0 / tl.maximum(amax, 1e-30)  # a group of zeros stays 0
-    v = y * inv[:, None]
+    v = y * inv[:, None, None]
     q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # |v| <= 127: no clamp needed
-    return q, scale, tl.sum(q, axis=1).to(tl.float32) * scale
+    sums = tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32) * scale
+    j = tl.arange(0, 8)
+    place = ((j % 4) * 2 + j // 4) * 8  # column j's byte in its word (PACKS_ORDER)
+    # Disjoint bytes: the sum is their bitwise or (wrapping into the sign bit is harmless).
+    words = tl.sum((q.to(tl.int64) & 0xFF) << place.to(tl.int64)[None, None, :], axis=2)
+    inside = groups < n_groups
+    word_offs = groups[:, None] * (GROUP // 8) + tl.arange(0, GROUP // 8)[None, :]
+    tl.store(words_row + word_offs, words, mask=inside[:, None])
+    tl.store(scale_row + groups, scale, mask=inside)
+    tl.store(sums_row + groups, sums, mask=inside)
 
 
 @triton.jit
-def store_groups(y, cols, mask, q_row, scale_row, sums_row, GROUP: tl.constexpr):
-    """Quantize float32 ``y`` [groups, GROUP] (columns ``cols``, the same shape, of whole
-    groups) and store q, scales and sums at one row's pointers; ``mask`` [groups] says which
-    groups lie inside the row."""
-    q, scale, sums = quantize_groups(y)
-    tl.store(q_row + stored_position(cols), q.to(tl.int8), mask=mask[:, None])
-    group = tl.max(cols, axis=1) // GROUP
-    tl.store(scale_row + group, scale, mask=mask)
-    tl.store(sums_row + group, sums, mask=mask)
-
-
-@triton.jit
-def _quantize_int8_kernel(x_ptr, q_ptr, scale_ptr, sums_ptr, stride_x, K, GROUP: tl.constexpr,
-                          GROUPS: tl.constexpr, PDL: tl.constexpr):
+def _quantize_int8_kernel(x_ptr, words_ptr, scale_ptr, sums_ptr, stride_x, K,
+                          GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
     # Grid (rows, column blocks of GROUPS groups).
     if PDL:  # see ember.kernels.launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    group0 = tl.program_id(1) * GROUPS
-    groups = group0 + tl.arange(0, GROUPS)
-    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    mask = groups < K // GROUP
-    y = tl.load(x_ptr + row * stride_x + cols, mask=mask[:, None], other=0.0).to(tl.float32)
-    store_groups(y, cols, mask, q_ptr + row * K, scale_ptr + row * (K // GROUP),
-                 sums_ptr + row * (K // GROUP), GROUP)
+    cols, groups = group_tile(tl.program_id(1) * GROUPS, GROUPS, GROUP)
+    n_groups = K // GROUP
+    y = tl.load(x_ptr + row * stride_x + cols, mask=(groups < n_groups)[:, None, None],
+                other=0.0).to(tl.float32)
+    store_groups(y, groups, n_groups, words_ptr + row * (K // 8), scale_ptr + row * n_groups,
+                 sums_ptr + row * n_groups, GROUP)
 
 
 def empty_int8_rows(rows: int, k: int, device: torch.device
@@ -98,8 +98,8 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     q, scales, sums = empty_int8_rows(rows, k, x.device)
     if q.numel():
         _quantize_int8_kernel[(rows, cdiv(k // GROUP, GROUPS_PER_PROGRAM))](
-            x, q, scales, sums, x.stride(0), k, GROUP=GROUP, GROUPS=GROUPS_PER_PROGRAM,
-            num_warps=4, **pdl_options(x))
+            x, q.view(torch.int64), scales, sums, x.stride(0), k, GROUP=GROUP,
+            GROUPS=GROUPS_PER_PROGRAM, num_warps=4, **pdl_options(x))
     return q, scales, sums
 
 

@@ -8,7 +8,8 @@ GEMV too small to fill the GPU, so it rides in the norm's kernel instead of a la
 (float8_e4m3fn and one scale per row, what ember.kernels.fp8_quant.per_token_fp8 would make of
 the half-precision output): the layer after then reads 1-byte activations with nothing left to
 quantize (ember.quantization.fp8). ``rms_norm_int8`` writes them in int8 for a 4-bit layer's
-integer GEMV (ember.kernels.int8_act's form).
+integer GEMV (ember.kernels.int8_act's form), from a kernel that holds the row as groups of
+8-column runs, so the words it stores need no reshape.
 
 The residual sum is rounded to the model dtype where torch rounds it (bit-identical); the norm
 itself may differ from torch by an ulp (reduction order, rsqrt). Outputs are new contiguous
@@ -24,7 +25,7 @@ import triton.language as tl
 from ember.kernels import fp8_quant
 from ember.kernels.fp8_quant import per_token_scale
 from ember.kernels.int8_act import GROUP as INT8_GROUP_SIZE
-from ember.kernels.int8_act import empty_int8_rows, store_groups
+from ember.kernels.int8_act import empty_int8_rows, group_tile, store_groups
 from ember.kernels.launch import next_power_of_2, pdl_options, warps_for_block
 from ember.kernels.store_kv import quantize_fp8, soft_fp8
 
@@ -52,7 +53,6 @@ def _rms_norm_kernel(
     out_ptr,
     res_out_ptr,
     scale_ptr,
-    sums_ptr,
     stride_xa,
     stride_xb,
     stride_ra,
@@ -63,7 +63,6 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
-    INT8: tl.constexpr,
     SOFT: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
@@ -91,15 +90,7 @@ def _rms_norm_kernel(
         scale, inv = per_token_scale(tl.max(tl.abs(y), 0), FP8_MAX, MIN_SCALE)
         tl.store(scale_ptr + a, scale)
         y = quantize_fp8(y, inv, FP8_MAX, SOFT)
-    if INT8:  # int8 rows (2-D, whole groups) in ember.kernels.int8_act's form
-        groups = n_cols // INT8_GROUP
-        store_groups(tl.reshape(y.to(in_ty).to(tl.float32), [BLOCK // INT8_GROUP, INT8_GROUP]),
-                     tl.reshape(offs, [BLOCK // INT8_GROUP, INT8_GROUP]),
-                     tl.arange(0, BLOCK // INT8_GROUP) < groups, out_ptr + a * stride_oa,
-                     scale_ptr + a * groups, sums_ptr + a * groups, INT8_GROUP)
-    else:
-        tl.store(out_ptr + a * stride_oa + b * stride_ob + offs, y.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+    tl.store(out_ptr + a * stride_oa + b * stride_ob + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -120,21 +111,17 @@ def _row_strides(x: torch.Tensor) -> tuple[int, int, int, int]:
 
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    scales: torch.Tensor | None = None, int8: tuple[torch.Tensor, ...] | None = None,
+    scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """With ``scales`` ([rows] float32) the output is float8_e4m3fn; with ``int8`` (q, scales,
-    sums of ember.kernels.int8_act.empty_int8_rows) it is written there; x 2-D for both."""
+    """With ``scales`` ([rows] float32) the output is float8_e4m3fn, x 2-D."""
     shape = x.shape
     n = shape[-1]
     assert weight.shape == (n,) and weight.stride(0) == 1, "weight must be [hidden], contiguous"
     xr = _as_rows(x)
     quant = scales is not None
-    assert not (quant or int8) or xr.dim() == 2
-    if int8:
-        out, scales, sums = int8
-    else:
-        out = torch.empty(xr.shape, dtype=torch.float8_e4m3fn if quant else
-                          torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    assert not quant or xr.dim() == 2
+    out = torch.empty(xr.shape, dtype=torch.float8_e4m3fn if quant else
+                      torch.promote_types(weight.dtype, x.dtype), device=x.device)
     res_out = None
     rr = xr
     if residual is not None:
@@ -151,9 +138,8 @@ def _launch(
         block = next_power_of_2(n)
         _rms_norm_kernel[(rows_a, rows_b)](
             xr, rr, weight, out, out if res_out is None else res_out,
-            scales if quant or int8 else weight, sums if int8 else weight, sxa, sxb, sra, srb,
-            soa, sob, n, eps, HAS_RESIDUAL=residual is not None, QUANT=quant, INT8=bool(int8),
-            SOFT=soft_fp8(x), BLOCK=block,
+            scales if quant else weight, sxa, sxb, sra, srb, soa, sob, n, eps,
+            HAS_RESIDUAL=residual is not None, QUANT=quant, SOFT=soft_fp8(x), BLOCK=block,
             num_warps=warps_for_block(block), **pdl_options(x),
         )  # fmt: skip
     out = out.view(shape)
@@ -191,15 +177,57 @@ def rms_norm_fp8(
     return q, scales, new_residual
 
 
+@triton.jit
+def _rms_norm_int8_kernel(x_ptr, res_ptr, w_ptr, words_ptr, res_out_ptr, scale_ptr, sums_ptr,
+                          n_cols, eps, HAS_RESIDUAL: tl.constexpr, GROUPS: tl.constexpr,
+                          PDL: tl.constexpr):
+    # One program per row (contiguous rows), the row as [GROUPS, INT8_GROUP / 8, 8]; the same
+    # arithmetic as _rms_norm_kernel's (_normalized), the sums over the tile's three axes.
+    if PDL:  # see ember.kernels.launch.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    cols, groups = group_tile(0, GROUPS, INT8_GROUP)
+    n_groups = n_cols // INT8_GROUP
+    mask = (groups < n_groups)[:, None, None]
+    in_ty = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(tl.sum(tl.sum(h * h, axis=2), axis=1), axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (w * h.to(in_ty).to(tl.float32)).to(in_ty).to(tl.float32)
+    store_groups(y, groups, n_groups, words_ptr + row * (n_cols // 8),
+                 scale_ptr + row * n_groups, sums_ptr + row * n_groups, INT8_GROUP)
+
+
 def rms_norm_int8(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q, scales, sums, x + residual or None): ``rms_norm(x + residual)`` for a 4-bit layer's
     integer GEMV, in ember.kernels.int8_act's form (what ``quantize_int8`` makes of the
-    half-precision norm). x: [T, hidden], hidden a multiple of its group."""
-    int8 = empty_int8_rows(x.shape[0], x.shape[1], x.device)
-    _, new_residual = _launch(x, residual, weight, eps, int8=int8)
-    return *int8, new_residual
+    half-precision norm, up to the norm's reduction order). x: [T, hidden], hidden a multiple
+    of the int8 group; the sum is rounded as ``fused_add_rms_norm`` rounds it."""
+    t, n = x.shape
+    assert weight.shape == (n,) and weight.stride(0) == 1, "weight must be [hidden], contiguous"
+    x = x.contiguous()
+    q, scales, sums = empty_int8_rows(t, n, x.device)
+    res_out = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        residual = residual.contiguous()
+        res_out = torch.empty_like(x)
+    if t:
+        groups = next_power_of_2(n // INT8_GROUP_SIZE)
+        _rms_norm_int8_kernel[(t,)](
+            x, x if residual is None else residual, weight, q.view(torch.int64),
+            x if res_out is None else res_out, scales, sums, n, eps,
+            HAS_RESIDUAL=residual is not None, GROUPS=groups,
+            num_warps=warps_for_block(groups * INT8_GROUP_SIZE), **pdl_options(x))
+    return q, scales, sums, res_out
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ember.kernels import fp8_quant, int8_act
 from ember.kernels.fp8_quant import per_token_scale
-from ember.kernels.int8_act import empty_int8_rows, store_groups
+from ember.kernels.int8_act import empty_int8_rows, group_tile, store_groups
 from ember.kernels.launch import cdiv, next_power_of_2, pdl_options, warps_for_block
 from ember.kernels.store_kv import quantize_fp8, soft_fp8
 
@@ -90,18 +90,17 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, d,
 
 
 @triton.jit
-def _silu_and_mul_int8_kernel(x_ptr, q_ptr, scale_ptr, sums_ptr, stride_x, d,
+def _silu_and_mul_int8_kernel(x_ptr, words_ptr, scale_ptr, sums_ptr, stride_x, d,
                               GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
     # Grid (tokens, blocks of GROUPS groups): each program quantizes whole groups of its own.
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    cols, groups = group_tile(tl.program_id(1) * GROUPS, GROUPS, GROUP)
     y = _silu_mul_row(x_ptr + tok * stride_x, cols, d, x_ptr.dtype.element_ty)
-    store_groups(y, cols, groups < d // GROUP, q_ptr + tok * d, scale_ptr + tok * (d // GROUP),
-                 sums_ptr + tok * (d // GROUP), GROUP)
+    store_groups(y, groups, d // GROUP, words_ptr + tok * (d // 8),
+                 scale_ptr + tok * (d // GROUP), sums_ptr + tok * (d // GROUP), GROUP)
 
 
 @triton.jit
@@ -168,6 +167,6 @@ def silu_and_mul_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     if q.numel():
         groups = int8_act.GROUPS_PER_PROGRAM
         _silu_and_mul_int8_kernel[(x.shape[0], cdiv(d // int8_act.GROUP, groups))](
-            x, q, scales, sums, x.stride(0), d, GROUP=int8_act.GROUP, GROUPS=groups,
-            num_warps=4, **pdl_options(x))
+            x, q.view(torch.int64), scales, sums, x.stride(0), d, GROUP=int8_act.GROUP,
+            GROUPS=groups, num_warps=4, **pdl_options(x))
     return q, scales, sums

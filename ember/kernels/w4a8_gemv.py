@@ -191,15 +191,15 @@ def _w4a8_gemv_kernel(x_ptr, xs_ptr, xsum_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, 
                      pid_n, pid_k, ROWS, ROWS_P, BLOCK_N, SPLIT_K, HAS_BIAS)
 
 
-def w4a8_gemv_config(n: int, k: int, device: torch.device) -> Int4GemvConfig:
-    """The tuned tiles for an [k, n] weight on ``device`` (ember.kernels.tuning; the same at
-    every row count), K splits resolved as int4_gemv resolves them."""
-    return _resolved_config(tuning_for(device), n, k, num_sms(device))
+def w4a8_gemv_config(n: int, k: int, device: torch.device, rows: int = 1) -> Int4GemvConfig:
+    """The tuned tiles for ``rows`` rows and an [k, n] weight on ``device``
+    (ember.kernels.tuning), K splits resolved as int4_gemv resolves them."""
+    return _resolved_config(tuning_for(device), n, k, num_sms(device), rows)
 
 
 @functools.lru_cache(maxsize=1024)
-def _resolved_config(tuning: DeviceTuning, n: int, k: int, sms: int) -> Int4GemvConfig:
-    config = tuning.w4a8_gemv_config(n, k)
+def _resolved_config(tuning: DeviceTuning, n: int, k: int, sms: int, rows: int) -> Int4GemvConfig:
+    config = tuning.w4a8_gemv_config(n, k, rows)
     if config.split_k == 0:
         split_k = max(1, min(cdiv(config.programs_per_sm * sms, cdiv(n, config.block_n)),
                              cdiv(k, 2 * config.block_k)))
@@ -227,7 +227,7 @@ def w4a8_gemv(xq: torch.Tensor, x_scales: torch.Tensor, x_sums: torch.Tensor,
     if n == 0:
         return out
     block_n, block_k, split_k, num_warps, num_stages, wide_loads, _ = (
-        Int4GemvConfig(*config) if config else w4a8_gemv_config(n, k, xq.device))
+        Int4GemvConfig(*config) if config else w4a8_gemv_config(n, k, xq.device, m))
     n_tiles = cdiv(n, block_n)
     sub = row_sub_tile(min(group_size, X_GROUP), block_k)
     splits = split_k_launch(k, split_k, 2 * block_k, m, n, n_tiles, out)

@@ -137,10 +137,8 @@ class DeviceTuning:
     fp8_gemv_quantized_x: tuple[LinearRule, ...] = ()
     int4_gemv: tuple[LinearRule, ...] = ()
     int4_gemv_rows: tuple[LinearRule, ...] = ()  # 2-4 rows (empty: the one-row rules)
-    # w4a8_gemv, 1-4 rows of int8 (empty: int4_gemv's one-row rules at every row count; its
-    # 2-4 row rules' 32 x 256 tiles of 8-byte loads compile to 4.5 sm90 instructions a weight
-    # there at 2 rows, gate_up's one-row 64 x 256 to 2.75)
-    w4a8_gemv: tuple[LinearRule, ...] = ()
+    w4a8_gemv: tuple[LinearRule, ...] = ()  # int8 rows, one (empty: int4_gemv's one-row rules)
+    w4a8_gemv_rows: tuple[LinearRule, ...] = ()  # 2-4 int8 rows (empty: the one-row rules)
 
     def linear_config(self, n: int, k: int) -> SmallBatchLinearConfig:
         for rule in self.small_batch_linear:
@@ -160,8 +158,8 @@ class DeviceTuning:
                 return rule.config
         return Int4GemvConfig(16, 1024)
 
-    def w4a8_gemv_config(self, n: int, k: int) -> Int4GemvConfig:
-        for rule in self.w4a8_gemv:
+    def w4a8_gemv_config(self, n: int, k: int, rows: int = 1) -> Int4GemvConfig:
+        for rule in self.w4a8_gemv if rows == 1 else self.w4a8_gemv_rows or self.w4a8_gemv:
             if rule.matches(n, k):
                 return rule.config
         return self.int4_gemv_config(n, k)

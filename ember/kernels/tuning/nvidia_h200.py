@@ -93,4 +93,20 @@ TUNING = DeviceTuning(
     # (bf16 cuBLAS 117.3-117.7; the weight dequantized and cuBLAS 288-289; the one-row tiles
     # 86.8, 113.6, 191.0).
     int4_gemv_rows=(LinearRule(Int4GemvConfig(32, 256, wide_loads=False)),),
+    # w4a8_gemv at Llama-8B's shapes (ember.bench.quant kernels --sweep-w4a8 --rows 1 2 4 on an
+    # H100, 2026-12-07, raw benchmarks/results/h100-w4a8-kernels.json), microseconds. One row:
+    # 16 x 1,024 with 16-byte loads at qkv (6.29) and gate_up (21.84, 92% of the copy
+    # bandwidth), 8 x 1,024 at o (4.57), 32 x 512 split in 3 at down (13.22). Two rows:
+    # 64 x 256 with 8-byte loads, 4 a SM (o 6.82, gate_up 27.7, down 15.21), 32 x 512 at qkv
+    # (8.07); 16 x 2,048 spills its registers there (184-960).
+    w4a8_gemv=(
+        LinearRule(Int4GemvConfig(32, 512, programs_per_sm=2), min_k=8192),
+        LinearRule(Int4GemvConfig(8, 1024, programs_per_sm=2), max_n=4096),
+        LinearRule(Int4GemvConfig(16, 1024, programs_per_sm=2)),
+    ),
+    w4a8_gemv_rows=(
+        LinearRule(Int4GemvConfig(32, 512, wide_loads=False, programs_per_sm=2), min_n=4096,
+                   max_n=8192),
+        LinearRule(Int4GemvConfig(64, 256, wide_loads=False, programs_per_sm=4)),
+    ),
 )
