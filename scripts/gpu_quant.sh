@@ -30,7 +30,8 @@ for part in $PARTS; do
               --model ember/configs/llama-3.1-8b --methods bf16 fp8 awq \
               --out "$OUT/quant_llama8b.json" ;;
     # The int8-activation path of the 4-bit layers (w4a8_gemv and its producers): its tests
-    # compiled, its kernels with a tile sweep, and AWQ with it against AWQ without at batch 1-4.
+    # compiled, its kernels with a tile sweep, and AWQ with it against AWQ without (awq-bf16x)
+    # at batch 1-4.
     w4a8tests) stage w4a8_tests 120 python3 -m pytest -v -p no:cacheprovider -rfE \
                  tests/test_w4a8.py --junitxml="$OUT/w4a8_tests.xml"
                stage w4a8_layer_tests 100 python3 -m pytest -v -m gpu -p no:cacheprovider -rfE \
@@ -38,14 +39,14 @@ for part in $PARTS; do
     w4a8kernels) stage w4a8_kernels 150 python3 -m ember.bench.quant kernels --rows 1 2 4 \
                    --sweep-w4a8 --out "$OUT/w4a8_kernels.json" ;;
     w4a8engine) stage w4a8_engine 220 python3 -m ember.bench.quant engine \
-                  --model ember/configs/llama-3.1-8b --methods bf16 awq awq-int8x fp8 \
+                  --model ember/configs/llama-3.1-8b --methods bf16 awq awq-bf16x fp8 \
                   --num-prompts 32 --small-batches 2 4 --out "$OUT/w4a8_engine.json" ;;
     # Where an AWQ batch-1 step goes with int8 rows: device time per kernel (PDL off).
     w4a8profile) AWQ_DIR=$(python3 -c "from ember.bench.quant import awq_config_dir; \
                    print(awq_config_dir('ember/configs/llama-3.1-8b'))")
                  stage w4a8_profile 150 python3 -m ember.bench.profile_steps --model "$AWQ_DIR" \
                    --num-requests 1 --input-len 128 128 --output-len 600 600 --skip 20 \
-                   --steps 100 --no-pdl --kernel-config int4_int8_activations=true \
+                   --steps 100 --no-pdl \
                    --out "$OUT/w4a8_profile.json" ;;
     *) echo "unknown part $part" ;;
   esac

@@ -176,10 +176,10 @@ def test_w4a8_gemv_at_llama8b_shapes_on_cuda(shape):
 @pytest.mark.skipif(ON_GPU, reason="the gpu cases cover CUDA")
 @pytest.mark.parametrize("group", [128, 64])
 def test_awq_layer_takes_int8_rows_on_the_interpreter(group, monkeypatch):
-    """With KernelConfig(int4_int8_activations=True) a 4-bit layer asks for int8 rows at 1-2
-    half-precision rows (not 3, not float32), and given them (as a producer writes them:
-    ember.testing's check hands them over) computes through w4a8_gemv within the bf16 bound of
-    x @ dequantized.T."""
+    """With KernelConfig(int4_int8_activations=True), the default, a 4-bit layer asks for int8
+    rows at 1-2 half-precision rows (not 3, not float32; with the switch off, never), and given
+    them (as a producer writes them: ember.testing's check hands them over) computes through
+    w4a8_gemv within the bf16 bound of x @ dequantized.T."""
     import dataclasses
     from functools import partial
 
@@ -210,8 +210,9 @@ def test_awq_layer_takes_int8_rows_on_the_interpreter(group, monkeypatch):
         layer.in_features = 192  # not whole groups of 128 columns
         assert method.quantized_input_dtype(layer, torch.zeros(1, 192).half()) is None
     assert sorted(set(launched)) == [1, 2] and len(launched) == 4, launched
-    assert int4_linear.Int4LinearMethod(group).quantized_input_dtype(
-        type("L", (), {"in_features": 256})(), torch.zeros(1, 256).half()) is None  # off
+    with use_kernel_config(dataclasses.replace(kernel_config(), int4_int8_activations=False)):
+        assert int4_linear.Int4LinearMethod(group).quantized_input_dtype(
+            type("L", (), {"in_features": 256})(), torch.zeros(1, 256).half()) is None
 
 
 _SM90_SCRIPT = r'''
