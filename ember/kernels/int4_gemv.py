@@ -101,7 +101,12 @@ def int4_gemv_config(n: int, k: int, device: torch.device, rows: int = 1) -> Int
 @functools.lru_cache(maxsize=1024)
 def _resolved_config(tuning: DeviceTuning, n: int, k: int, sms: int,
                      rows: int = 1) -> Int4GemvConfig:
-    config = tuning.int4_gemv_config(n, k, rows)
+    return with_splits(tuning.int4_gemv_config(n, k, rows), n, k, sms)
+
+
+def with_splits(config: Int4GemvConfig, n: int, k: int, sms: int) -> Int4GemvConfig:
+    """``config`` with its K splits resolved (a split of 0: until the grid holds the entry's
+    programs per SM on ``sms`` SMs, each split at least two steps of K)."""
     if config.split_k == 0:
         split_k = max(1, min(cdiv(config.programs_per_sm * sms, cdiv(n, config.block_n)),
                              cdiv(k, 2 * config.block_k)))

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.int4_gemv import row_sub_tile
+from ember.kernels.int4_gemv import row_sub_tile, with_splits
 from ember.kernels.int4_tile import row_tile_weights, store_row_totals, stream_start
 from ember.kernels.int8_act import GROUP as X_GROUP
 from ember.kernels.launch import cdiv, compiled_for_gpu, num_sms, pdl_options
@@ -199,12 +199,7 @@ def w4a8_gemv_config(n: int, k: int, device: torch.device, rows: int = 1) -> Int
 
 @functools.lru_cache(maxsize=1024)
 def _resolved_config(tuning: DeviceTuning, n: int, k: int, sms: int, rows: int) -> Int4GemvConfig:
-    config = tuning.w4a8_gemv_config(n, k, rows)
-    if config.split_k == 0:
-        split_k = max(1, min(cdiv(config.programs_per_sm * sms, cdiv(n, config.block_n)),
-                             cdiv(k, 2 * config.block_k)))
-        config = config._replace(split_k=split_k)
-    return config
+    return with_splits(tuning.w4a8_gemv_config(n, k, rows), n, k, sms)
 
 
 def w4a8_gemv(xq: torch.Tensor, x_scales: torch.Tensor, x_sums: torch.Tensor,
