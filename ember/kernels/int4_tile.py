@@ -93,24 +93,24 @@ def row_tile_weights(qw_ptr, qz_ptr, s_ptr, k0, k_hi, n0, N, K8, GROUP: tl.const
     left undefined, for a caller that never uses it): no per-element masks or zero fill."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     sub_start = k0 + tl.arange(0, BLOCK_K // SUB) * SUB
-    if EVEN:
-        inside = k0 < k_hi
-        rows = (sub_start // 8)[None, :, None] + tl.arange(0, SUB // 8)[None, None, :]
-        packs = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None, None] * K8 + rows, mask=inside)
-        g = (sub_start // GROUP)[None, :]
-        z = tl.load(qz_ptr + g * (N // 8) + (offs_n // 8)[:, None], mask=inside)
-        z = (z >> ((offs_n % 8) * 4)[:, None]) & 0xF
-        scale = tl.load(s_ptr + g * N + offs_n[:, None], mask=inside).to(tl.float32)
-        return packs, z, scale
     mask = (offs_n < N)[:, None] & (sub_start < k_hi)[None, :]
     rows = (sub_start // 8)[None, :, None] + tl.arange(0, SUB // 8)[None, None, :]
-    packs = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None, None] * K8 + rows,
-                    mask=mask[:, :, None], other=0)
+    packs = tile_load(qw_ptr + offs_n.to(tl.int64)[:, None, None] * K8 + rows, mask[:, :, None],
+                       k0 < k_hi, EVEN)
     g = (sub_start // GROUP)[None, :]
-    z = tl.load(qz_ptr + g * (N // 8) + (offs_n // 8)[:, None], mask=mask, other=0)
+    z = tile_load(qz_ptr + g * (N // 8) + (offs_n // 8)[:, None], mask, k0 < k_hi, EVEN)
     z = (z >> ((offs_n % 8) * 4)[:, None]) & 0xF
-    scale = tl.load(s_ptr + g * N + offs_n[:, None], mask=mask, other=0.0).to(tl.float32)
+    scale = tile_load(s_ptr + g * N + offs_n[:, None], mask, k0 < k_hi, EVEN).to(tl.float32)
     return packs, z, scale
+
+
+@triton.jit
+def tile_load(ptrs, mask, inside, EVEN: tl.constexpr):
+    """A tile's load: EVEN, all or nothing (``inside``, one predicate, no zero fill); else
+    per element, 0 where ``mask`` is false."""
+    if EVEN:
+        return tl.load(ptrs, mask=inside)
+    return tl.load(ptrs, mask=mask, other=0)
 
 
 @triton.jit

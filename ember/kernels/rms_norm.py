@@ -41,7 +41,7 @@ def _normalized(x, w, n_cols, eps):
     first; the product of two half values is exact in float32, so one rounding to the output
     dtype equals torch's half multiply."""
     h = x.to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    h = h * tl.rsqrt(tl.sum(h * h) / n_cols + eps)  # over every axis of the row's tile
     return w.to(tl.float32) * h.to(x.dtype).to(tl.float32)
 
 
@@ -182,7 +182,7 @@ def _rms_norm_int8_kernel(x_ptr, res_ptr, w_ptr, words_ptr, res_out_ptr, scale_p
                           n_cols, eps, HAS_RESIDUAL: tl.constexpr, GROUPS: tl.constexpr,
                           PDL: tl.constexpr):
     # One program per row (contiguous rows), the row as [GROUPS, INT8_GROUP / 8, 8]; the same
-    # arithmetic as _rms_norm_kernel's (_normalized), the sums over the tile's three axes.
+    # arithmetic as _rms_norm_kernel's (_normalized).
     if PDL:  # see ember.kernels.launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -196,10 +196,8 @@ def _rms_norm_int8_kernel(x_ptr, res_ptr, w_ptr, words_ptr, res_out_ptr, scale_p
         r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(tl.sum(tl.sum(h * h, axis=2), axis=1), axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (w * h.to(in_ty).to(tl.float32)).to(in_ty).to(tl.float32)
+    y = _normalized(x, tl.load(w_ptr + cols, mask=mask, other=0.0), n_cols, eps)
+    y = y.to(in_ty).to(tl.float32)
     store_groups(y, groups, n_groups, words_ptr + row * (n_cols // 8),
                  scale_ptr + row * n_groups, sums_ptr + row * n_groups, INT8_GROUP)
 

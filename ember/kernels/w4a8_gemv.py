@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.int4_gemv import row_sub_tile, with_splits
-from ember.kernels.int4_tile import row_tile_weights, store_row_totals, stream_start
+from ember.kernels.int4_tile import row_tile_weights, store_row_totals, stream_start, tile_load
 from ember.kernels.int8_act import GROUP as X_GROUP
 from ember.kernels.launch import cdiv, compiled_for_gpu, num_sms, pdl_options
 from ember.kernels.split_k import split_k_launch
@@ -82,21 +82,15 @@ def _x_tile(x_ptr, xs_ptr, xsum_ptr, k0, k_hi, XG: tl.constexpr, SUB: tl.constex
     packs_at = (tl.zeros([BLOCK_N, 1, 1], tl.int32) + (sub_start // 8)[None, :, None]
                 + tl.arange(0, SUB // 8)[None, None, :])
     groups_at = tl.zeros([BLOCK_N, 1], tl.int32) + (sub_start // XG)[None, :]
-    if EVEN:  # whole tiles: loaded or not as one (see int4_tile.row_tile_weights)
-        words = tl.load(x_ptr + packs_at, mask=k0 < k_hi)
-        xs = tl.load(xs_ptr + groups_at, mask=k0 < k_hi)
-    else:
-        words = tl.load(x_ptr + packs_at, mask=inside[None, :, None], other=0)
-        xs = tl.load(xs_ptr + groups_at, mask=inside[None, :], other=0.0)
+    words = tile_load(x_ptr + packs_at, inside[None, :, None], k0 < k_hi, EVEN)
+    xs = tile_load(xs_ptr + groups_at, inside[None, :], k0 < k_hi, EVEN)
     xa = words.to(tl.int32)  # the low word: rows 0, 4, 1, 5 (int8_act's order)
     xb = (words >> 32).to(tl.int32)
     if SUB < XG:  # weight groups smaller than x's: the sub-tile's own sum of x
         ones = tl.full(xa.shape, 0x01010101, tl.int32)
         xsum = tl.sum(_pack_dot(ones, ones, xa, xb, ASM), axis=2).to(tl.float32) * xs
-    elif EVEN:
-        xsum = tl.load(xsum_ptr + groups_at, mask=k0 < k_hi)
     else:
-        xsum = tl.load(xsum_ptr + groups_at, mask=inside[None, :], other=0.0)
+        xsum = tile_load(xsum_ptr + groups_at, inside[None, :], k0 < k_hi, EVEN)
     return xa, xb, xs, xsum
 
 

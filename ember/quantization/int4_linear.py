@@ -169,11 +169,6 @@ class Int4LinearMethod(LinearMethod):
             return torch.int8
         return None
 
-    def quantized_input_group(self, layer: Linear, x: torch.Tensor) -> int:
-        from ember.kernels.int8_act import GROUP
-
-        return GROUP
-
     def apply(self, layer: Linear, x: torch.Tensor | QuantizedActivation,
               bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         if isinstance(x, QuantizedActivation):
