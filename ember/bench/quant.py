@@ -8,10 +8,11 @@
 small-batch bf16 kernel, fp8 (per-token quantization + torch._scaled_mm, and up to 16 rows the
 small-batch kernel streaming the fp8 weight) and int4 (int4_gemv up to its 4 rows, with
 ``--sweep`` a few of its tilings; w4a8_gemv on int8 rows, quantized before and by a kernel of
-their own first, ``--sweep-w4a8`` its tilings; int4_mma on the tensor cores up to the layer's 64; at every
-row count the weight dequantized and cuBLAS, the layer's path above), each timed inside a CUDA
-graph over weight copies larger than L2, as bandwidth (weight bytes per second and the fraction
-of the copy bandwidth). Every kernel is checked against its dequantized reference first.
+their own first, ``--sweep-w4a8`` its tilings; int4_mma on the tensor cores up to the layer's
+64; at every row count the weight dequantized and cuBLAS, the layer's path above), each timed
+inside a CUDA graph over weight copies larger than L2, as bandwidth (weight bytes per second
+and the fraction of the copy bandwidth). Every kernel is checked against its dequantized
+reference first.
 
 ``engine``: one engine per method on dummy weights (AWQ through a temporary config.json carrying
 an AWQ quantization_config; fp8 by quantizing the bf16 dummy weights at load; fp8kv = bf16 with
