@@ -121,7 +121,7 @@ def test_w4a8_gemv_rows_are_their_one_row_results():
         assert torch.equal(both[r:r + 1], one)
 
 
-@pytest.mark.parametrize("n", [256, 384])
+@pytest.mark.parametrize("n", [256, 384, 2432])  # 2,432: three programs, the last partial
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_int8_writes_the_norm_quantized(n, residual):
     gen = torch.Generator().manual_seed(n)
@@ -143,6 +143,75 @@ def test_silu_and_mul_int8_writes_the_product_quantized(d):
     x = (torch.randn(2, 2 * d) * 3).to(DEV, torch.bfloat16)
     got = silu_and_mul_int8(x)
     _assert_quantized_equal(got, quantize_int8_reference(silu_and_mul(x).cpu()))
+
+
+def _paged_decode_inputs(seq_lens, num_heads, num_kv_heads, head_size, dtype, block_size=16):
+    """q [batch, heads, head_size] and a paged cache holding each request's context (block
+    table: each request's blocks in a row)."""
+    gen = torch.Generator().manual_seed(len(seq_lens))
+    per = max(1, -(-max(seq_lens) // block_size))
+    cache = torch.randn(2, per * len(seq_lens), block_size, num_kv_heads, head_size,
+                       generator=gen).to(DEV, dtype)
+    table = torch.arange(per * len(seq_lens), dtype=torch.int32).view(len(seq_lens), per)
+    q = torch.randn(len(seq_lens), num_heads, head_size, generator=gen).to(DEV, dtype)
+    return q, cache, table.to(DEV)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_decode_attention_writes_its_output_quantized(num_splits):
+    """int8_out: the split merge writes each head as one int8 group, what quantize_int8 makes
+    of the half-precision output (a padded row, seq_len 0, as zeros)."""
+    from ember.kernels.decode_attention import paged_decode_attention
+    from ember.kernels.int8_act import empty_int8_rows
+
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    seq_lens = torch.tensor([37, 0, 70], dtype=torch.int32, device=DEV)
+    q, cache, table = _paged_decode_inputs([37, 0, 70], 4, 2, GROUP, dtype)
+    plain = paged_decode_attention(q, cache, seq_lens, table, 0.1, num_splits=num_splits)
+    quantized = empty_int8_rows(3, 4 * GROUP, DEV)
+    paged_decode_attention(q, cache, seq_lens, table, 0.1, num_splits=num_splits,
+                           int8_out=quantized)
+    _assert_quantized_equal(quantized, quantize_int8_reference(plain.reshape(3, -1).cpu()))
+    assert not quantized[0][1].any() and not quantized[1][1].any()
+    with pytest.raises(ValueError, match="split launches"):
+        paged_decode_attention(q, cache, seq_lens, table, 0.1, num_splits=1,
+                               int8_out=quantized)
+
+
+def test_triton_backend_writes_int8_for_a_decode_step():
+    """TritonImpl: int8 output where a 4-bit o_proj asks (heads of 128, a decode-only step),
+    half precision otherwise (a prefill in the step; heads of 64)."""
+    from ember.attention_backends.base import AttentionMetadata
+    from ember.attention_backends.triton_backend import TritonBackend
+    from ember.layers.linear import QuantizedActivation
+
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    impl = TritonBackend.impl_cls()(4, GROUP, 0.1, 2)
+    assert impl.writes_quantized(torch.int8) and not impl.writes_quantized(torch.float8_e4m3fn)
+    assert not TritonBackend.impl_cls()(4, 64, 0.1, 2).writes_quantized(torch.int8)
+    q, cache, table = _paged_decode_inputs([37, 70], 4, 2, GROUP, dtype)
+    gen = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(2, 2, GROUP, generator=gen).to(DEV, dtype) for _ in range(2))
+
+    def step(prefill: bool):
+        """Both requests' next token: two decodes, or a decode and a one-token prefill chunk."""
+        lens, qsl = [37, 70], [0, 1, 2]
+        slots = [int(table[r, (n - 1) // 16]) * 16 + (n - 1) % 16 for r, n in enumerate(lens)]
+        return AttentionMetadata(
+            num_actual_tokens=2, slot_mapping=torch.tensor(slots, device=DEV),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEV),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV), block_table=table,
+            max_query_len=1, max_seq_len=70, query_start_loc_cpu=qsl, seq_lens_cpu=lens,
+            num_decode_tokens=1 if prefill else 2)
+
+    plain = impl.forward(q, k, v, cache.clone(), step(False))
+    got = impl.forward(q, k, v, cache.clone(), step(False), quantize=torch.int8)
+    assert isinstance(got, QuantizedActivation)
+    _assert_quantized_equal(tuple(got), quantize_int8_reference(plain.cpu()))
+    mixed = impl.forward(q, k, v, cache.clone(), step(True), quantize=torch.int8)
+    assert isinstance(mixed, torch.Tensor)
+    tol = 2e-2 if ON_GPU else 1e-4
+    torch.testing.assert_close(mixed, plain, atol=tol, rtol=tol)
 
 
 LLAMA8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -280,8 +349,8 @@ def test_awq_layers_take_int8_rows_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_awq_model_with_int8_rows_against_half_rows(tmp_path, monkeypatch):
-    """A bf16 AWQ model decoding two sequences with int8 rows (its norms and SiLU-and-mul
-    writing them, w4a8_gemv computing) against the same model with half-precision rows: the
+    """A bf16 AWQ model decoding two sequences with int8 rows (its norms, attention and
+    SiLU-and-mul writing them, w4a8_gemv computing) against the same model with half-precision rows: the
     producers run only with int8 rows on, and the generated tokens' logprobs agree within the
     8-bit rounding's effect (printed with the greedy agreement)."""
     import dataclasses
@@ -289,21 +358,24 @@ def test_awq_model_with_int8_rows_against_half_rows(tmp_path, monkeypatch):
     from model_factory import make_tiny_model
 
     from ember import LLM, SamplingParams
+    from ember.kernels import decode_attention as decode_module
     from ember.kernels import rms_norm as rms_norm_module
     from ember.kernels import silu_and_mul as silu_module
     from ember.kernels.config import kernel_config, use_kernel_config
     from ember.testing.quantized_checkpoints import write_quantized_checkpoint
 
-    calls = {"rms_norm_int8": 0, "silu_and_mul_int8": 0}
+    calls = {"rms_norm_int8": 0, "silu_and_mul_int8": 0, "attention_int8": 0}
 
     def counting(fn, name):
         def counted(*args, **kwargs):
-            calls[name] += 1
+            calls[name] += name != "attention_int8" or kwargs.get("int8_out") is not None
             return fn(*args, **kwargs)
         return counted
 
-    for module, name in ((rms_norm_module, "rms_norm_int8"), (silu_module, "silu_and_mul_int8")):
-        monkeypatch.setattr(module, name, counting(getattr(module, name), name))
+    for module, name, key in ((rms_norm_module, "rms_norm_int8", "rms_norm_int8"),
+                              (silu_module, "silu_and_mul_int8", "silu_and_mul_int8"),
+                              (decode_module, "paged_decode_attention", "attention_int8")):
+        monkeypatch.setattr(module, name, counting(getattr(module, name), key))
     src = str(make_tiny_model("llama", tmp_path / "src", hidden_size=512,
                               intermediate_size=1024, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=128, num_hidden_layers=4))
@@ -324,9 +396,9 @@ def test_awq_model_with_int8_rows_against_half_rows(tmp_path, monkeypatch):
                 for o in outs]
 
     half = run(False)
-    assert calls == {"rms_norm_int8": 0, "silu_and_mul_int8": 0}
+    assert calls == {"rms_norm_int8": 0, "silu_and_mul_int8": 0, "attention_int8": 0}
     int8 = run(True)
-    assert calls["rms_norm_int8"] > 0 and calls["silu_and_mul_int8"] > 0
+    assert all(calls.values()), calls
     same = total = 0
     err = 0.0
     for (tok_a, lp_a), (tok_b, lp_b) in zip(half, int8):

@@ -72,6 +72,13 @@ class AttentionImpl:
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_size]
         raise NotImplementedError
 
+    def writes_quantized(self, dtype: torch.dtype) -> bool:
+        """Whether ``forward`` takes ``quantize=dtype``: the output written quantized for a
+        quantized layer after it (ember.layers.linear.QuantizedActivation, the form that
+        layer's ``quantized_input_dtype`` names), where the step allows, else as usual. None
+        by default; ``forward`` is then never passed ``quantize``."""
+        return False
+
 
 class AttentionBackend:
     """A named attention implementation plus its static capabilities."""

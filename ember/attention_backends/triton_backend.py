@@ -22,6 +22,8 @@ from ember.attention_backends.base import AttentionBackend, AttentionImpl, Atten
 if TYPE_CHECKING:
     import torch
 
+    from ember.layers.linear import QuantizedActivation
+
 # The ember.kernels.buffers purpose of the split-KV decode workspace.
 SPLIT_WORKSPACE = "triton.decode_split_workspace"
 
@@ -77,6 +79,13 @@ class TritonImpl(AttentionImpl):
                                                     cache_itemsize))
         return TritonBackend.workspace(need, device)
 
+    def writes_quantized(self, dtype: torch.dtype) -> bool:
+        # int8 (a 4-bit o_proj's integer GEMV): the split merge quantizes each head as one of
+        # int8_act's groups.
+        import torch
+
+        return dtype == torch.int8 and self.head_size == kernels.int8_act.GROUP
+
     def forward(
         self,
         query: torch.Tensor,
@@ -84,7 +93,8 @@ class TritonImpl(AttentionImpl):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+        quantize: torch.dtype | None = None,
+    ) -> torch.Tensor | QuantizedActivation:
         import torch
 
         num_tokens = query.shape[0]
@@ -103,6 +113,7 @@ class TritonImpl(AttentionImpl):
             num_tokens, self.num_heads * self.head_size, dtype=query.dtype, device=query.device
         )
         out3 = out.view(num_tokens, self.num_heads, self.head_size)
+        int8_out = None  # (q, scales, sums) where the decode kernels write the output in int8
         num_reqs = metadata.num_reqs
         window = self.sliding_window
         cap = self.logits_soft_cap
@@ -114,6 +125,9 @@ class TritonImpl(AttentionImpl):
             max_seq_len = None if num_reqs == num_decodes else metadata.max_seq_len
             itemsize = kv_cache.element_size()
             splits = self._decode_splits(num_decodes, max_seq_len, query.device, itemsize)
+            if quantize is not None and num_tokens == num_decodes and splits > 1:
+                int8_out = kernels.int8_act.empty_int8_rows(num_tokens, out.shape[1],
+                                                            query.device)
             kernels.decode_attention.paged_decode_attention(
                 q[:num_decodes],
                 kv_cache,
@@ -128,7 +142,12 @@ class TritonImpl(AttentionImpl):
                 new_kv=(k[:num_decodes], v[:num_decodes], metadata.slot_mapping[:num_decodes]),
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
+                int8_out=int8_out,
             )
+            if int8_out is not None:
+                from ember.layers.linear import QuantizedActivation
+
+                return QuantizedActivation(*int8_out)
         if num_reqs > num_decodes:
             # query_start_loc holds absolute token offsets, so slicing it keeps pointing at the
             # prefill tokens of the full q/out tensors.

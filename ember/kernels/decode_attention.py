@@ -25,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels import int8_act
 from ember.kernels.attention_common import NEG_BIG, scaled_scores
+from ember.kernels.int8_act import store_groups
 from ember.kernels.launch import cdiv, dot_precision, head_pad, next_power_of_2, num_sms, pdl_options
 from ember.kernels.store_kv import fp8_max, quantize_fp8, soft_fp8, widen_fp8_to_f16
 from ember.kernels.tuning import DecodeConfig, DeviceTuning, tuning_for
@@ -272,6 +274,9 @@ def _reduce_kernel(
     part_lse_ptr,
     seq_lens_ptr,
     out_ptr,
+    words_ptr,
+    int8_scale_ptr,
+    int8_sums_ptr,
     window,
     num_splits,
     stride_ot,
@@ -282,6 +287,7 @@ def _reduce_kernel(
     SPLITS_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
+    INT8_OUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # see ember.kernels.launch.pdl_options
@@ -305,8 +311,15 @@ def _reduce_kernel(
                     mask=s_mask[:, None], other=0.0)
     total = tl.sum(w, 0)
     o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + head * stride_oh + offs_d
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+    o = o.to(out_ptr.dtype.element_ty)
+    if INT8_OUT:  # the head is one int8 group (HEAD_SIZE == int8_act.GROUP): quantized whole
+        store_groups(o.to(tl.float32).reshape(HEAD_SIZE // 8, 8), head + tl.arange(0, 1),
+                     NUM_HEADS, words_ptr + req.to(tl.int64) * (NUM_HEADS * HEAD_SIZE // 8),
+                     int8_scale_ptr + req * NUM_HEADS, int8_sums_ptr + req * NUM_HEADS,
+                     HEAD_SIZE)
+    else:
+        o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+        tl.store(o_ptrs, o, mask=offs_d < HEAD_SIZE)
 
 
 def decode_workspace_numel(batch: int, num_heads: int, head_size: int, num_splits: int) -> int:
@@ -331,6 +344,7 @@ def paged_decode_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    int8_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged context.
 
@@ -343,6 +357,10 @@ def paged_decode_attention(
     slot_mapping)`` ([batch, num_kv_heads, head_size] x 2, [batch]) are the step's new keys and
     values, not yet in the cache: the kernel stores them (slot -1: nothing) and attends to them.
     An fp8 ``kv_cache`` holds K / ``k_scale`` and V / ``v_scale`` (per-tensor scales).
+    ``int8_out`` (ember.kernels.int8_act.empty_int8_rows(batch, num_heads * head_size)): the
+    output is written there instead, in int8_act's form (what ``quantize_int8`` makes of the
+    half-precision rows), for a 4-bit o_proj's integer GEMV; it needs split launches
+    (``num_splits`` > 1, the merge writes it) and heads of int8_act.GROUP.
     """
     batch, num_heads, head_size = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -366,6 +384,9 @@ def paged_decode_attention(
     hpad = head_pad(head_size)
     sliding = sliding_window is not None and sliding_window > 0
     direct = num_splits == 1
+    if int8_out is not None and (direct or head_size != int8_act.GROUP):
+        raise ValueError(f"int8 output needs split launches and heads of {int8_act.GROUP} "
+                         f"(num_splits={num_splits}, head_size={head_size})")
     if direct:
         part_out = part_lse = out  # unused by the kernel
     else:
@@ -434,11 +455,17 @@ def paged_decode_attention(
         **common,
     )
     if not direct:
+        # Unused pointers (no int8 output) stand in as the workspace's.
+        words, int8_scales, int8_sums = int8_out or (part_out, part_lse, part_lse)
         _reduce_kernel[(batch, num_heads)](
             part_out,
             part_lse,
             seq_lens,
             out,
+            words.view(torch.int64) if int8_out else words,
+            int8_scales,
+            int8_sums,
+            INT8_OUT=int8_out is not None,
             SPLITS_PAD=next_power_of_2(num_splits),
             num_warps=4 if hpad >= 128 else 2,
             **common,

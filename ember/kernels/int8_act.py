@@ -33,20 +33,23 @@ GROUPS_PER_PROGRAM = 8  # quantize_int8 and silu_and_mul_int8: 1,024 columns a p
 
 @triton.jit
 def group_tile(group0, GROUPS: tl.constexpr, GROUP: tl.constexpr):
-    """(columns [GROUPS, GROUP / 8, 8], groups [GROUPS]) of the GROUPS groups from ``group0``:
-    a row's groups as 8-column runs, the shape ``store_groups`` takes."""
+    """(columns [GROUPS * GROUP / 8, 8], groups [GROUPS]) of the GROUPS groups from ``group0``:
+    a row's groups as 8-column runs, the shape ``store_groups`` takes. Two dimensions, not
+    three: a tile loaded this way puts each group's runs in one warp's lanes, so the groups'
+    reductions in ``store_groups`` are shuffles (a [GROUPS, GROUP / 8, 8] load spreads them over
+    warps: a shared-memory round and two barriers each)."""
     groups = group0 + tl.arange(0, GROUPS)
-    cols = (groups[:, None, None] * GROUP + tl.arange(0, GROUP // 8)[None, :, None] * 8
-            + tl.arange(0, 8)[None, None, :])
-    return cols, groups
+    runs = group0 * (GROUP // 8) + tl.arange(0, GROUPS * (GROUP // 8))
+    return runs[:, None] * 8 + tl.arange(0, 8)[None, :], groups
 
 
 @triton.jit
 def store_groups(y, groups, n_groups, words_row, scale_row, sums_row, GROUP: tl.constexpr):
-    """Quantize float32 ``y`` [G, GROUP / 8, 8] (``group_tile``'s groups ``groups`` of one row)
+    """Quantize float32 ``y`` [G * GROUP / 8, 8] (``group_tile``'s groups ``groups`` of one row)
     and store the int8 values, 8 columns as one int64 word in the packs' order, at the row's
     words (int64), and each group's scale and sum; groups from ``n_groups`` on are not
     stored."""
+    y = y.reshape(groups.shape[0], GROUP // 8, 8)
     amax = tl.max(tl.max(tl.abs(y), axis=2), axis=1)
     scale = amax / 127.0
     inv = 127.0 / tl.maximum(amax, 1e-30)  # a group of zeros stays 0
@@ -74,8 +77,7 @@ def _quantize_int8_kernel(x_ptr, words_ptr, scale_ptr, sums_ptr, stride_x, K,
     row = tl.program_id(0).to(tl.int64)
     cols, groups = group_tile(tl.program_id(1) * GROUPS, GROUPS, GROUP)
     n_groups = K // GROUP
-    y = tl.load(x_ptr + row * stride_x + cols, mask=(groups < n_groups)[:, None, None],
-                other=0.0).to(tl.float32)
+    y = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
     store_groups(y, groups, n_groups, words_ptr + row * (K // 8), scale_ptr + row * n_groups,
                  sums_ptr + row * n_groups, GROUP)
 

@@ -22,11 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels import fp8_quant
+from ember.kernels import fp8_quant, int8_act
 from ember.kernels.fp8_quant import per_token_scale
 from ember.kernels.int8_act import GROUP as INT8_GROUP_SIZE
 from ember.kernels.int8_act import empty_int8_rows, group_tile, store_groups
-from ember.kernels.launch import next_power_of_2, pdl_options, warps_for_block
+from ember.kernels.launch import cdiv, next_power_of_2, pdl_options, warps_for_block
 from ember.kernels.store_kv import quantize_fp8, soft_fp8
 
 FP8_MAX = tl.constexpr(fp8_quant.FP8_MAX)  # jit globals must be constexpr
@@ -37,11 +37,23 @@ INT8_GROUP = tl.constexpr(INT8_GROUP_SIZE)
 @triton.jit
 def _normalized(x, w, n_cols, eps):
     """HF's RMSNorm of the row ``x`` (in its half dtype) with weight ``w``, in float32 for the
-    caller to round once: float32 statistics, then weight * h.to(input dtype). The cast comes
-    first; the product of two half values is exact in float32, so one rounding to the output
-    dtype equals torch's half multiply."""
+    caller to round once (``_scaled`` by the row's ``_inv_rms``)."""
+    return _scaled(x, w, _inv_rms(x, n_cols, eps))
+
+
+@triton.jit
+def _inv_rms(x, n_cols, eps):
+    """1 / rms of the row ``x`` (its tile, of any shape, zero past the row), in float32."""
     h = x.to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h) / n_cols + eps)  # over every axis of the row's tile
+    return tl.rsqrt(tl.sum(h * h) / n_cols + eps)  # over every axis of the row's tile
+
+
+@triton.jit
+def _scaled(x, w, inv_rms):
+    """weight * (x * inv_rms).to(input dtype), in float32: HF's statistics in float32, the
+    cast first; the product of two half values is exact in float32, so one rounding to the
+    output dtype equals torch's half multiply."""
+    h = x.to(tl.float32) * inv_rms
     return w.to(tl.float32) * h.to(x.dtype).to(tl.float32)
 
 
@@ -179,27 +191,41 @@ def rms_norm_fp8(
 
 @triton.jit
 def _rms_norm_int8_kernel(x_ptr, res_ptr, w_ptr, words_ptr, res_out_ptr, scale_ptr, sums_ptr,
-                          n_cols, eps, HAS_RESIDUAL: tl.constexpr, GROUPS: tl.constexpr,
-                          PDL: tl.constexpr):
-    # One program per row (contiguous rows), the row as [GROUPS, INT8_GROUP / 8, 8]; the same
-    # arithmetic as _rms_norm_kernel's (_normalized).
+                          n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                          GROUPS: tl.constexpr, PDL: tl.constexpr):
+    # Grid (rows, blocks of GROUPS groups), contiguous rows. Every program takes the statistics
+    # of its whole row (a few KB, from L2; the same tile and order in each, so the same
+    # value) and normalises, stores and quantizes its own groups: spread over programs, the
+    # quantizing takes a fraction of one program's time. The weight depends on no kernel, so
+    # it loads before the PDL wait.
+    row = tl.program_id(0).to(tl.int64)
+    cols, groups = group_tile(tl.program_id(1) * GROUPS, GROUPS, INT8_GROUP)
+    inside = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0)
     if PDL:  # see ember.kernels.launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    cols, groups = group_tile(0, GROUPS, INT8_GROUP)
-    n_groups = n_cols // INT8_GROUP
-    mask = (groups < n_groups)[:, None, None]
     in_ty = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    offs = tl.arange(0, BLOCK)
+    whole = _residual_sum(x_ptr, res_ptr, row * n_cols + offs, offs < n_cols, HAS_RESIDUAL)
+    x = _residual_sum(x_ptr, res_ptr, row * n_cols + cols, inside, HAS_RESIDUAL)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
-        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
-    y = _normalized(x, tl.load(w_ptr + cols, mask=mask, other=0.0), n_cols, eps)
-    y = y.to(in_ty).to(tl.float32)
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=inside)
+    y = _scaled(x, w, _inv_rms(whole, n_cols, eps)).to(in_ty).to(tl.float32)
+    n_groups = n_cols // INT8_GROUP
     store_groups(y, groups, n_groups, words_ptr + row * (n_cols // 8),
                  scale_ptr + row * n_groups, sums_ptr + row * n_groups, INT8_GROUP)
+
+
+@triton.jit
+def _residual_sum(x_ptr, res_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr):
+    """x (+ residual) at ``offs``, the sum added in float32 and rounded once to the model
+    dtype: what torch's half add does."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x
 
 
 def rms_norm_int8(
@@ -219,12 +245,13 @@ def rms_norm_int8(
         residual = residual.contiguous()
         res_out = torch.empty_like(x)
     if t:
-        groups = next_power_of_2(n // INT8_GROUP_SIZE)
-        _rms_norm_int8_kernel[(t,)](
+        block = next_power_of_2(n)
+        groups = int8_act.GROUPS_PER_PROGRAM
+        _rms_norm_int8_kernel[(t, cdiv(n // INT8_GROUP_SIZE, groups))](
             x, x if residual is None else residual, weight, q.view(torch.int64),
             x if res_out is None else res_out, scales, sums, n, eps,
-            HAS_RESIDUAL=residual is not None, GROUPS=groups,
-            num_warps=warps_for_block(groups * INT8_GROUP_SIZE), **pdl_options(x))
+            HAS_RESIDUAL=residual is not None, BLOCK=block, GROUPS=groups,
+            num_warps=warps_for_block(block), **pdl_options(x))
     return q, scales, sums, res_out
 
 

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from ember.attention_backends.base import AttentionBackend, AttentionMetadata
+from ember.kernels.config import kernel_config
+from ember.layers.linear import Linear, QuantizedActivation, wanted_input_dtype
 
 
 @dataclass
@@ -52,27 +54,37 @@ class Attention(nn.Module):
             num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap
         )
         self._op_key: int | None = None  # this layer in ember::attention calls (if compiled)
+        self.quantized_producer = kernel_config().quantized_producers
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        """q: [T, num_heads(*head_size)], k/v: [T, num_kv_heads(*head_size)] -> [T, H * D]."""
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
+        quant_for: Linear | None = None,
+    ) -> torch.Tensor | QuantizedActivation:
+        """q: [T, num_heads(*head_size)], k/v: [T, num_kv_heads(*head_size)] -> [T, H * D].
+
+        ``quant_for``: the projection the output feeds. Where it asks for its input quantized
+        (``Linear.quantized_input_dtype``) and the backend writes that form
+        (``AttentionImpl.writes_quantized``), the result may come as a QuantizedActivation.
+        """
         if self._op_key is not None and torch.compiler.is_compiling():
             # One opaque call in the traced graph (ember.layers.compiled_attention).
             return torch.ops.ember.attention(q, k, v, self._op_key)
-        return self.eager_forward(q, k, v, ctx)
+        return self.eager_forward(q, k, v, ctx, quant_for)
 
     def eager_forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
+        quant_for: Linear | None = None,
+    ) -> torch.Tensor | QuantizedActivation:
         t = q.shape[0]
-        return self.impl.forward(
-            q.view(t, self.num_heads, self.head_size),
-            k.view(t, self.num_kv_heads, self.head_size),
-            v.view(t, self.num_kv_heads, self.head_size),
-            ctx.kv_caches[self.layer_idx],
-            ctx.attn_metadata,
-        )
+        args = (q.view(t, self.num_heads, self.head_size),
+                k.view(t, self.num_kv_heads, self.head_size),
+                v.view(t, self.num_kv_heads, self.head_size),
+                ctx.kv_caches[self.layer_idx], ctx.attn_metadata)
+        dtype = (wanted_input_dtype(quant_for, q.view(t, -1))
+                 if self.quantized_producer and quant_for is not None else None)
+        if dtype is not None and self.impl.writes_quantized(dtype):
+            return self.impl.forward(*args, quantize=dtype)
+        return self.impl.forward(*args)
 
     def extra_repr(self) -> str:
         return (

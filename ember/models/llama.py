@@ -104,7 +104,8 @@ class DecoderAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_size)
         # Qwen3's per-head norms go with the rotation (on CUDA, one kernel for the three).
         q, k = rope.apply_qk(q, k, cos, sin, (self.q_norm, self.k_norm) if self.qk_norm else None)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        # A 4-bit o_proj takes the attention output in int8 where the backend writes it.
+        return self.o_proj(self.attn(q, k, v, ctx, quant_for=self.o_proj))
 
 
 class DecoderMLP(nn.Module):
