@@ -74,9 +74,10 @@ class AttentionImpl:
 
     def writes_quantized(self, dtype: torch.dtype) -> bool:
         """Whether ``forward`` takes ``quantize=dtype``: the output written quantized for a
-        quantized layer after it (ember.layers.linear.QuantizedActivation, the form that
-        layer's ``quantized_input_dtype`` names), where the step allows, else as usual. None
-        by default; ``forward`` is then never passed ``quantize``."""
+        quantized layer after it, where the step allows (the tensors of the form that layer's
+        ``quantized_input_dtype`` names: for int8, ember.kernels.int8_act's (data, scales,
+        sums), which the attention layer hands on as a QuantizedActivation), else the usual
+        tensor. False by default; ``forward`` is then never passed ``quantize``."""
         return False
 
 

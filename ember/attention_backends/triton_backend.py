@@ -22,8 +22,6 @@ from ember.attention_backends.base import AttentionBackend, AttentionImpl, Atten
 if TYPE_CHECKING:
     import torch
 
-    from ember.layers.linear import QuantizedActivation
-
 # The ember.kernels.buffers purpose of the split-KV decode workspace.
 SPLIT_WORKSPACE = "triton.decode_split_workspace"
 
@@ -94,7 +92,7 @@ class TritonImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         quantize: torch.dtype | None = None,
-    ) -> torch.Tensor | QuantizedActivation:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         import torch
 
         num_tokens = query.shape[0]
@@ -145,9 +143,7 @@ class TritonImpl(AttentionImpl):
                 int8_out=int8_out,
             )
             if int8_out is not None:
-                from ember.layers.linear import QuantizedActivation
-
-                return QuantizedActivation(*int8_out)
+                return int8_out
         if num_reqs > num_decodes:
             # query_start_loc holds absolute token offsets, so slicing it keeps pointing at the
             # prefill tokens of the full q/out tensors.

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}  # Llama-3.1-8B (out, in)
 L2_FLUSH_BYTES = 200 * 2**20
-AWQ_METHODS = ("awq", "awq-gemv", "awq-bf16x")  # engine methods that load the AWQ checkpoint
+# Engine methods that load the AWQ checkpoint.
+AWQ_METHODS = ("awq", "awq-gemv", "awq-bf16x", "awq-prefetch")
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a dry run of the code on the CPU sets cpu / float16
 # (block_n, block_k, programs per SM, warps, stages) of int4_gemv, timed at one row with 16-
 # and with 8-byte pack loads: K splits until the grid holds that many programs per SM.
@@ -245,12 +246,14 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         # fp8-exact-accum: cuBLASLt's fp8 GEMMs promote their partial sums to float32 (no fast
         # accumulation). awq-gemv: the 4-bit layers on the CUDA cores (int4_gemv), not the
         # tensor cores. awq-bf16x: the 4-bit layers' inputs stay in half precision at 1-2 rows
-        # (int4_gemv), not int8 (w4a8_gemv).
+        # (int4_gemv), not int8 (w4a8_gemv). awq-prefetch: weights read into L2 beside
+        # attention (ember.layers.weight_prefetch).
         config = dataclasses.replace(kernel_config(),
                                      quantized_producers=method != "fp8-self-quant",
                                      fp8_fast_accumulation=method != "fp8-exact-accum",
                                      int4_tensor_cores=method != "awq-gemv",
-                                     int4_int8_activations=method != "awq-bf16x")
+                                     int4_int8_activations=method != "awq-bf16x",
+                                     l2_prefetch=method == "awq-prefetch")
         start = time.perf_counter()
         with use_kernel_config(config):
             llm = LLM(path, **kw)
@@ -327,7 +330,7 @@ def main() -> None:
     e.add_argument("--model", default="ember/configs/llama-3.1-8b")
     e.add_argument("--methods", nargs="+", default=["bf16", "fp8", "awq"],
                    choices=["bf16", "fp8", "fp8-exact-accum", "fp8-self-quant", "awq",
-                            "awq-gemv", "awq-bf16x", "fp8kv", "fp8-fp8kv"])
+                            "awq-gemv", "awq-bf16x", "awq-prefetch", "fp8kv", "fp8-fp8kv"])
     e.add_argument("--num-prompts", type=int, default=256)
     e.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
     e.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])

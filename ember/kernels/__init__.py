@@ -17,6 +17,7 @@
     int4_dequant        4-bit (AWQ/GPTQ) weight written out dense, for cuBLAS above int4_mma's rows
     fp8_quant           dynamic per-token float8 quantization of activations (W8A8 layers)
     fp8_gemv            fp8 (W8A8) linear layer for up to 16 rows on fp8 tensor cores
+    l2_prefetch         weights read into L2 ahead of their layer, while memory sits idle
 
 Shared pieces: ``launch`` (grid arithmetic, SM count, programmatic dependent launch, merge
 counters), ``buffers`` (persistent scratch buffers, one per purpose and device),
@@ -59,6 +60,7 @@ OPS = (
     "int4_dequant",
     "fp8_quant",
     "fp8_gemv",
+    "l2_prefetch",
 )
 _LAZY_MODULES = frozenset((*OPS, "launch", "fast_launch", "attention_common", "int4_tile",
                            "split_k", "buffers", "dispatch", "tuning"))

@@ -83,7 +83,8 @@ class Attention(nn.Module):
         dtype = (wanted_input_dtype(quant_for, q.view(t, -1))
                  if self.quantized_producer and quant_for is not None else None)
         if dtype is not None and self.impl.writes_quantized(dtype):
-            return self.impl.forward(*args, quantize=dtype)
+            out = self.impl.forward(*args, quantize=dtype)
+            return out if isinstance(out, torch.Tensor) else QuantizedActivation(*out)
         return self.impl.forward(*args)
 
     def extra_repr(self) -> str:

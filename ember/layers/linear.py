@@ -97,6 +97,12 @@ class LinearMethod:
         columns on its own; one scale per row must always be accepted."""
         return 0
 
+    def weights_to_prefetch(self, layer: Linear, rows: int) -> list[torch.Tensor]:
+        """The tensors worth reading into the GPU's L2 cache ahead of a call with ``rows``
+        rows, while other kernels leave the memory idle (ember.layers.weight_prefetch), or
+        none (the default)."""
+        return []
+
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:  # fmt: skip
         """Register the layer's parameters (``layer.register_weight``) for an [sum(output_sizes),
@@ -220,6 +226,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
+
+    def weights_to_prefetch(self, rows: int) -> list[torch.Tensor]:
+        return self.quant_method.weights_to_prefetch(self, rows)
 
     def quantized_input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """See LinearMethod.quantized_input_dtype; producers ask before writing ``x``."""

@@ -33,6 +33,7 @@ from ember.layers.parallel_linear import (
 )
 from ember.layers.rotary import RotaryEmbedding
 from ember.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, parallel_logits
+from ember.layers.weight_prefetch import join_prefetches, prefetch_weights
 from ember.models.hf_weights import FusedHFWeightsMixin
 
 
@@ -82,6 +83,9 @@ class DecoderAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_size
         self.o_proj = RowParallelLinear(total_heads * self.head_size, hidden, o_bias, dtype=dtype,
                                         prefix=f"{prefix}.o_proj")
+        # The attention blocks after this one whose qkv_proj is read into L2 beside this one's
+        # attention with o_proj (a plain list: not submodules). The model fills it.
+        self.followed_by: list[DecoderAttention] = []
         self.qk_norm = spec.qk_norm
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, dtype)
@@ -99,6 +103,10 @@ class DecoderAttention(nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         t = qkv.shape[0]
+        # Where their methods want it (4-bit layers decoding one or two sequences), o_proj's
+        # weight and the next qkv_proj's are read into L2 beside attention, whose short kernels
+        # leave the memory idle (looked up here: a post-load quantization replaces layers).
+        prefetch_weights([self.o_proj, *(after.qkv_proj for after in self.followed_by)], t)
         q, k, v = qkv.split(self.shard_sizes(), dim=-1)
         q = q.view(t, self.num_heads, self.head_size)
         k = k.view(t, self.num_kv_heads, self.head_size)
@@ -191,6 +199,9 @@ class DecoderModel(nn.Module):
             if start <= i < self.end_layer else StageMissingLayer()
             for i in range(config.num_hidden_layers)
         )
+        built = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        for layer, after in zip(built, built[1:]):
+            layer.self_attn.followed_by.append(after.self_attn)
         if self.last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         head_size = (_cfg(config, "head_dim", config.hidden_size // config.num_attention_heads)
@@ -210,6 +221,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, self.rotary_emb, cos, sin, ctx)
+        join_prefetches()
         if residual is None:  # no layers
             return self.norm(h)
         return self.norm.forward_with_residual(h, residual)[0]
@@ -229,6 +241,7 @@ class DecoderModel(nn.Module):
         cos, sin = self.rotary_emb.cos_sin(positions, h.dtype)
         for layer in self.layers[self.start_layer:self.end_layer]:
             h, residual = layer(h, residual, self.rotary_emb, cos, sin, ctx)
+        join_prefetches()
         if not self.last_stage:
             comm.send([h, residual], ps.get_rank() + tp)
             return h

@@ -131,6 +131,14 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self.state, x, self.bias)
 
+    # What the layers before a Linear ask of it (ember.layers.linear): its input as it is, no
+    # weight to prefetch.
+    def quantized_input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        return None
+
+    def weights_to_prefetch(self, rows: int) -> list[torch.Tensor]:
+        return []
+
     def extra_repr(self) -> str:
         return f"{self.method.name}, in={self.in_features}, out={self.out_features}"
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.kernels.config import kernel_config
 from ember.layers.linear import Linear, LinearMethod, QuantizedActivation
 from ember.quantization.int4_common import (
     PACK,
@@ -124,6 +125,7 @@ class Int4LinearMethod(LinearMethod):
                               attrs["qweight"])
         layer.register_weight("qzeros", int_param(groups, out // PACK), attrs["qzeros"])
         layer.activation_dtype = dtype  # the output's, where the input comes in int8
+        layer.l2_prefetch = kernel_config().l2_prefetch  # read as the layer is built
         scales = torch.zeros(groups, out, dtype=scales_dtype(dtype))
         layer.register_weight("scales", nn.Parameter(scales, requires_grad=False),
                               attrs["scales"])
@@ -159,7 +161,6 @@ class Int4LinearMethod(LinearMethod):
         return layer.in_features if self.group_size == -1 else self.group_size
 
     def quantized_input_dtype(self, layer: Linear, x: torch.Tensor) -> torch.dtype | None:
-        from ember.kernels.config import kernel_config
         from ember.kernels.int8_act import GROUP
 
         # GPTQ's desc_act layers permute x's columns first: they take it as it is.
@@ -168,6 +169,13 @@ class Int4LinearMethod(LinearMethod):
                 and layer.in_features % GROUP == 0 and getattr(layer, "perm", None) is None):
             return torch.int8
         return None
+
+    def weights_to_prefetch(self, layer: Linear, rows: int) -> list[torch.Tensor]:
+        # The GEMV rows, where the layer's time is its weight read.
+        if (layer.l2_prefetch and rows <= W4A8_ROWS
+                and _kernels_take(layer.qweight)):
+            return [layer.qweight, layer.scales, layer.qzeros]
+        return []
 
     def apply(self, layer: Linear, x: torch.Tensor | QuantizedActivation,
               bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
