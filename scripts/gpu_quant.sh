@@ -3,7 +3,7 @@
 # kernels and methods, the quantized linear kernels at Llama-3.1-8B's shapes, and Llama-3.1-8B
 # (dummy weights) with bf16, fp8 and AWQ side by side on nano-vllm's workload and at batch 1.
 # Usage: scripts/gpu_quant.sh [PART...]   parts: tests kernels engine attention w4a8tests
-# w4a8kernels w4a8engine w4a8profile
+# w4a8kernels w4a8engine w4a8profile prefetch
 # (default: tests kernels engine; attention = the attention kernels' own GPU tests, which gpu_suite's
 # tests part also runs). Results under $OUT: quant.log, quant_tests.xml, quant_kernels.json,
 # quant_llama8b.json.
@@ -41,6 +41,15 @@ for part in $PARTS; do
     w4a8engine) stage w4a8_engine 220 python3 -m ember.bench.quant engine \
                   --model ember/configs/llama-3.1-8b --methods bf16 awq awq-bf16x fp8 \
                   --num-prompts 32 --small-batches 2 4 --out "$OUT/w4a8_engine.json" ;;
+    # Weights read into L2 beside attention (KernelConfig.l2_prefetch) against none, its GPU
+    # test, and the int8 producers' kernels.
+    prefetch) stage prefetch_engine 150 python3 -m ember.bench.quant engine \
+                --model ember/configs/llama-3.1-8b --methods awq-prefetch awq bf16 \
+                --num-prompts 8 --small-batches 2 --out "$OUT/prefetch_engine.json"
+              stage prefetch_tests 120 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu \
+                tests/test_w4a8.py --junitxml="$OUT/prefetch_tests.xml"
+              stage int8_producers 60 python3 -m ember.bench.int8_producers \
+                --out "$OUT/int8_producers.json" ;;
     # Where an AWQ batch-1 step goes with int8 rows: device time per kernel (PDL off).
     w4a8profile) AWQ_DIR=$(python3 -c "from ember.bench.quant import awq_config_dir; \
                    print(awq_config_dir('ember/configs/llama-3.1-8b'))")
