@@ -28,7 +28,7 @@ from ember.kernels.launch import cdiv, pdl_options
 
 GROUP = 128  # columns per scale
 PACKS_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 stored at position PACKS_ORDER.index(j)
-GROUPS_PER_PROGRAM = 8  # quantize_int8 and silu_and_mul_int8: 1,024 columns a program
+GROUPS_PER_PROGRAM = 8  # the int8 writers' programs (quantize, RMSNorm, SiLU): 1,024 columns
 
 
 @triton.jit

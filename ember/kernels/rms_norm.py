@@ -8,8 +8,8 @@ GEMV too small to fill the GPU, so it rides in the norm's kernel instead of a la
 (float8_e4m3fn and one scale per row, what ember.kernels.fp8_quant.per_token_fp8 would make of
 the half-precision output): the layer after then reads 1-byte activations with nothing left to
 quantize (ember.quantization.fp8). ``rms_norm_int8`` writes them in int8 for a 4-bit layer's
-integer GEMV (ember.kernels.int8_act's form), from a kernel that holds the row as groups of
-8-column runs, so the words it stores need no reshape.
+integer GEMV (ember.kernels.int8_act's form), a row spread over programs of 1,024 columns that
+each take the whole row's statistics.
 
 The residual sum is rounded to the model dtype where torch rounds it (bit-identical); the norm
 itself may differ from torch by an ulp (reduction order, rsqrt). Outputs are new contiguous
