@@ -20,8 +20,8 @@ import torch
 from sm90_launch import compile_as_launched
 
 from ember.kernels import (argmax, decode_attention, fp8_gemv, fp8_quant, gguf_matmul,
-                           int4_dequant, int4_gemv, int8_act, rms_norm, rotary, silu_and_mul,
-                           small_batch_linear, store_kv)
+                           int4_dequant, int4_gemv, int8_act, l2_prefetch, rms_norm, rotary,
+                           silu_and_mul, small_batch_linear, store_kv)
 
 torch.manual_seed(0)
 bf = torch.bfloat16
@@ -114,6 +114,8 @@ cases += [
     (silu_and_mul, "_silu_and_mul_int8_kernel", lambda: silu_and_mul.silu_and_mul_int8(gate_up)),
     (int8_act, "_quantize_int8_kernel", lambda: int8_act.quantize_int8(rows)),
     (decode_attention, "_reduce_kernel", merge_int8),  # the split merge writing int8 rows
+    (l2_prefetch, "_l2_prefetch_kernel",
+     lambda: l2_prefetch.prefetch_l2([qweight, scales, qzeros])),
     (rotary, "_rotary_kernel", lambda: rotary.rotary_inplace(q, kk, cos, sin, 128)),
     (rotary, "_rotary_kernel",
      lambda: rotary.rotary_inplace(q, kk, cos, sin, 128, (head_w, head_w), 1e-6)),
@@ -135,4 +137,4 @@ print("compiled", len(splits))
 def test_kernels_compile_for_sm90_as_launched():
     proc = run_sm90_script(_SCRIPT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.strip().endswith("compiled 34"), proc.stdout[-2000:]
+    assert proc.stdout.strip().endswith("compiled 35"), proc.stdout[-2000:]
