@@ -178,11 +178,15 @@ def test_decode_attention_writes_its_output_quantized(num_splits):
                                int8_out=quantized)
 
 
-def test_triton_backend_writes_int8_for_a_decode_step():
+def test_triton_backend_writes_int8_for_a_decode_step(monkeypatch):
     """TritonImpl: int8 output where a 4-bit o_proj asks (heads of 128, a decode-only step),
-    half precision otherwise (a prefill in the step; heads of 64)."""
+    half precision otherwise (a prefill in the step; heads of 64); the attention layer hands
+    the int8 tensors on as a QuantizedActivation when the layer after asks for int8."""
     from ember.attention_backends.base import AttentionMetadata
     from ember.attention_backends.triton_backend import TritonBackend
+    from ember.kernels import dispatch
+    from ember.layers.attention import Attention, ForwardContext
+    from ember.layers.linear import QuantizedActivation
 
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     impl = TritonBackend.impl_cls()(4, GROUP, 0.1, 2)
@@ -211,6 +215,18 @@ def test_triton_backend_writes_int8_for_a_decode_step():
     assert isinstance(mixed, torch.Tensor)
     tol = 2e-2 if ON_GPU else 1e-4
     torch.testing.assert_close(mixed, plain, atol=tol, rtol=tol)
+
+    class Int8Layer:  # a layer after attention that asks for int8 rows
+        def quantized_input_dtype(self, x):
+            return torch.int8
+
+    monkeypatch.setattr(dispatch, "on_gpu", lambda x: True)  # the interpreter stands in
+    layer = Attention(4, GROUP, 0.1, 2, 0, TritonBackend)
+    flat = (q.reshape(2, -1), k.reshape(2, -1), v.reshape(2, -1))
+    wrapped = layer(*flat, ForwardContext(step(False), [cache.clone()]), quant_for=Int8Layer())
+    assert isinstance(wrapped, QuantizedActivation)
+    _assert_quantized_equal(tuple(wrapped), quantize_int8_reference(plain.cpu()))
+    assert isinstance(layer(*flat, ForwardContext(step(False), [cache.clone()])), torch.Tensor)
 
 
 LLAMA8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ember.attention_backends.base import AttentionBackend, AttentionMetadata
+from ember.kernels import dispatch
 from ember.kernels.config import kernel_config
 from ember.layers.linear import Linear, QuantizedActivation, wanted_input_dtype
 
@@ -81,7 +82,8 @@ class Attention(nn.Module):
                 v.view(t, self.num_kv_heads, self.head_size),
                 ctx.kv_caches[self.layer_idx], ctx.attn_metadata)
         dtype = (wanted_input_dtype(quant_for, q.view(t, -1))
-                 if self.quantized_producer and quant_for is not None else None)
+                 if self.quantized_producer and quant_for is not None and dispatch.on_gpu(q)
+                 else None)
         if dtype is not None and self.impl.writes_quantized(dtype):
             out = self.impl.forward(*args, quantize=dtype)
             return out if isinstance(out, torch.Tensor) else QuantizedActivation(*out)

@@ -2,7 +2,7 @@
 kernels leave the memory idle (decoding one or two sequences: rotary, attention and its merge
 take microseconds a layer and read little).
 
-``prefetch_weights(layers, rows)`` forks a side stream off the current one, launches
+``prefetch_weights(layers, x)`` forks a side stream off the current one, launches
 ember.kernels.l2_prefetch there for the tensors the layers' methods name
 (``LinearMethod.weights_to_prefetch``), and returns; the model's stream goes on at once.
 ``join_prefetches()`` makes the current stream wait for the side stream again: a model calls it
@@ -18,16 +18,20 @@ from collections.abc import Sequence
 import torch
 
 from ember import kernels
+from ember.kernels import dispatch
 from ember.layers.linear import Linear
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 _forked: set[torch.device] = set()
 
 
-def prefetch_weights(layers: Sequence[Linear], rows: int) -> None:
-    """Start reading into L2 the weights ``layers`` will take ``rows`` rows through."""
-    tensors = [t for layer in layers for t in layer.weights_to_prefetch(rows)]
-    if not tensors or torch.compiler.is_compiling():
+def prefetch_weights(layers: Sequence[Linear], x: torch.Tensor) -> None:
+    """Start reading into L2 the weights ``layers`` will take ``x``'s rows through (a tensor
+    of the step, on its device: nothing off CUDA)."""
+    if not dispatch.on_gpu(x):
+        return
+    tensors = [t for layer in layers for t in layer.weights_to_prefetch(x.shape[0])]
+    if not tensors:
         return
     device = tensors[0].device
     side = _side_streams.get(device)

@@ -106,7 +106,7 @@ class DecoderAttention(nn.Module):
         # Where their methods want it (4-bit layers decoding one or two sequences), o_proj's
         # weight and the next qkv_proj's are read into L2 beside attention, whose short kernels
         # leave the memory idle (looked up here: a post-load quantization replaces layers).
-        prefetch_weights([self.o_proj, *(after.qkv_proj for after in self.followed_by)], t)
+        prefetch_weights([self.o_proj, *(after.qkv_proj for after in self.followed_by)], qkv)
         q, k, v = qkv.split(self.shard_sizes(), dim=-1)
         q = q.view(t, self.num_heads, self.head_size)
         k = k.view(t, self.num_kv_heads, self.head_size)
