@@ -32,7 +32,7 @@ def _num_splits(batch: int, num_kv_heads: int, head_size: int, max_seq_len: int 
                 device: torch.device, cache_itemsize: int) -> int:
     """The splits paged_decode_attention would choose itself for this batch over a cache of
     ``cache_itemsize`` bytes an element (the same policy entry)."""
-    decode = kernels.decode_attention
+    decode = kernels.decode_splits
     policy = decode.default_config(head_size, tuning=kernels.tuning.tuning_for(device),
                                    cache_itemsize=cache_itemsize)
     return decode.choose_num_splits(batch, num_kv_heads, max_seq_len, policy,
@@ -43,7 +43,7 @@ def _num_splits(batch: int, num_kv_heads: int, head_size: int, max_seq_len: int 
 def _graph_workspace_numel(graph_batch: int, num_heads: int, num_kv_heads: int, head_size: int,
                            device: torch.device, cache_itemsize: int) -> int:
     return max(
-        kernels.decode_attention.decode_workspace_numel(
+        kernels.decode_splits.decode_workspace_numel(
             b, num_heads, head_size,
             _num_splits(b, num_kv_heads, head_size, None, device, cache_itemsize))
         for b in range(1, graph_batch + 1)
@@ -67,7 +67,7 @@ class TritonImpl(AttentionImpl):
                    cache_itemsize: int) -> torch.Tensor | None:
         if num_splits == 1:
             return None
-        need = kernels.decode_attention.decode_workspace_numel(batch, self.num_heads,
+        need = kernels.decode_splits.decode_workspace_numel(batch, self.num_heads,
                                                                self.head_size, num_splits)
         graph_batch = TritonBackend.graph_max_batch_size
         if graph_batch:

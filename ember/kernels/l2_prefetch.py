@@ -52,11 +52,16 @@ def _l2_prefetch_kernel(p0, p1, p2, p3, p4, p5, n0, n1, n2, n3, n4, n5,
 
 
 def prefetch_l2(tensors: list[torch.Tensor]) -> None:
-    """Prefetch up to MAX_TENSORS contiguous CUDA tensors into L2 (one launch, on the current
+    """Prefetch contiguous CUDA tensors into L2 (one launch per MAX_TENSORS, on the current
     stream; a hint, no result). Without a compiled GPU kernel, nothing."""
-    assert 0 < len(tensors) <= MAX_TENSORS and all(t.is_contiguous() for t in tensors)
+    assert tensors and all(t.is_contiguous() for t in tensors)
     if not compiled_for_gpu(tensors[0]):
         return
+    for start in range(0, len(tensors), MAX_TENSORS):
+        _launch(tensors[start:start + MAX_TENSORS])
+
+
+def _launch(tensors: list[torch.Tensor]) -> None:
     views = [t.view(-1).view(torch.uint8) for t in tensors]
     lines = [cdiv(v.numel(), LINE) for v in views]
     views += [views[0]] * (MAX_TENSORS - len(views))

@@ -286,11 +286,9 @@ def _add_rms_norm_router_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    in_ty = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * n_cols + offs, mask=mask, other=0.0)
-    r = tl.load(res_ptr + row * n_cols + offs, mask=mask, other=0.0)
-    x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)  # as _rms_norm_kernel rounds it
-    y = _normalized(x, tl.load(norm_w_ptr + offs, mask=mask, other=0.0), n_cols, eps).to(in_ty)
+    x = _residual_sum(x_ptr, res_ptr, row * n_cols + offs, mask, True)
+    y = _normalized(x, tl.load(norm_w_ptr + offs, mask=mask, other=0.0), n_cols, eps)
+    y = y.to(x_ptr.dtype.element_ty)
     if pid_e == 0:
         tl.store(res_out_ptr + row * n_cols + offs, x, mask=mask)
         tl.store(out_ptr + row * n_cols + offs, y, mask=mask)

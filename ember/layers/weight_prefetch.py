@@ -39,8 +39,7 @@ def prefetch_weights(layers: Sequence[Linear], x: torch.Tensor) -> None:
         side = _side_streams[device] = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        for start in range(0, len(tensors), kernels.l2_prefetch.MAX_TENSORS):
-            kernels.l2_prefetch.prefetch_l2(tensors[start:start + kernels.l2_prefetch.MAX_TENSORS])
+        kernels.l2_prefetch.prefetch_l2(tensors)
     _forked.add(device)
 
 

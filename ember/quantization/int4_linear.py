@@ -5,8 +5,9 @@ computes it:
 
 - on CUDA (outside a torch.compile trace) with ember's Triton kernels: for 1-2 rows (decoding
   one or two sequences) on the CUDA cores, ``w4a8_gemv`` on the int8 rows the norm or
-  SiLU-and-mul before wrote (``quantized_input_dtype``; KernelConfig.int4_int8_activations),
-  else (o_proj, desc_act, the switch off) ``int4_gemv``; ``int4_mma`` on the tensor cores
+  SiLU-and-mul (or, for o_proj, attention) before wrote (``quantized_input_dtype``;
+  KernelConfig.int4_int8_activations), else (half rows, desc_act, the switch off)
+  ``int4_gemv``; ``int4_mma`` on the tensor cores
   for 3-64 half-precision rows (whole 128-row tiles inside each group; otherwise, and in
   float32, ``int4_gemv`` up to 4 rows); more rows, the weight dequantized for the call
   (``int4_dequant``) and cuBLAS;
