@@ -41,10 +41,10 @@ for part in $PARTS; do
     w4a8engine) stage w4a8_engine 220 python3 -m ember.bench.quant engine \
                   --model ember/configs/llama-3.1-8b --methods bf16 awq awq-bf16x fp8 \
                   --num-prompts 32 --small-batches 2 4 --out "$OUT/w4a8_engine.json" ;;
-    # Weights read into L2 beside attention (KernelConfig.l2_prefetch) against none, its GPU
-    # test, and the int8 producers' kernels.
-    prefetch) stage prefetch_engine 150 python3 -m ember.bench.quant engine \
-                --model ember/configs/llama-3.1-8b --methods awq-prefetch awq bf16 \
+    # Weights read into L2 beside attention (KernelConfig.l2_prefetch) against none (AWQ and
+    # fp8), its GPU tests, and the int8 producers' kernels.
+    prefetch) stage prefetch_engine 300 python3 -m ember.bench.quant engine \
+                --model ember/configs/llama-3.1-8b --methods awq-prefetch awq fp8-prefetch fp8 bf16 \
                 --num-prompts 8 --small-batches 2 --out "$OUT/prefetch_engine.json"
               stage prefetch_tests 120 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu \
                 tests/test_w4a8.py --junitxml="$OUT/prefetch_tests.xml"

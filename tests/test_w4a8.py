@@ -427,12 +427,43 @@ def test_awq_model_with_int8_rows_against_half_rows(tmp_path, monkeypatch):
     assert err < 1.0
 
 
+def test_methods_name_their_weights_to_prefetch(monkeypatch):
+    """With KernelConfig(l2_prefetch=True) read as it was built, a 4-bit layer names its three
+    tensors and an fp8 layer its weight and scales for 1-2 rows on a GPU; 3 rows, the switch
+    off, or the CPU: nothing."""
+    from types import SimpleNamespace
+
+    from ember.kernels import dispatch
+    from ember.quantization import int4_linear
+    from ember.quantization.fp8 import Fp8LinearMethod
+
+    int4 = SimpleNamespace(l2_prefetch=True, qweight=torch.zeros(4, dtype=torch.int32),
+                           scales=torch.zeros(4), qzeros=torch.zeros(4, dtype=torch.int32))
+    fp8 = SimpleNamespace(l2_prefetch=True, weight=torch.zeros(4, dtype=torch.float8_e4m3fn),
+                          weight_scale=torch.zeros(4))
+    int4_method, fp8_method = int4_linear.Int4LinearMethod(128), Fp8LinearMethod(True)
+    assert int4_method.weights_to_prefetch(int4, 1) == []  # the CPU
+    assert fp8_method.weights_to_prefetch(fp8, 1) == []
+    monkeypatch.setattr(int4_linear, "_kernels_take", lambda x: True)
+    monkeypatch.setattr(dispatch, "on_gpu", lambda x: True)
+    for rows in (1, 2):
+        assert int4_method.weights_to_prefetch(int4, rows) == [int4.qweight, int4.scales,
+                                                               int4.qzeros]
+        assert fp8_method.weights_to_prefetch(fp8, rows) == [fp8.weight, fp8.weight_scale]
+    assert int4_method.weights_to_prefetch(int4, 3) == []
+    assert fp8_method.weights_to_prefetch(fp8, 3) == []
+    int4.l2_prefetch = fp8.l2_prefetch = False
+    assert int4_method.weights_to_prefetch(int4, 1) == []
+    assert fp8_method.weights_to_prefetch(fp8, 1) == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-def test_l2_prefetch_changes_no_output(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["awq", "fp8"])
+def test_l2_prefetch_changes_no_output(method, tmp_path, monkeypatch):
     """The weights read into L2 beside attention (ember.layers.weight_prefetch) are a hint:
-    an AWQ model decoding one sequence gives the same tokens and logprobs with it as without,
-    and the prefetch kernel did launch."""
+    an AWQ or fp8 model decoding one sequence gives the same tokens and logprobs with it as
+    without, and the prefetch kernel did launch."""
     import dataclasses
 
     from model_factory import make_tiny_model
@@ -449,13 +480,16 @@ def test_l2_prefetch_changes_no_output(tmp_path, monkeypatch):
     src = str(make_tiny_model("llama", tmp_path / "src", hidden_size=512,
                               intermediate_size=1024, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=128, num_hidden_layers=3))
-    write_quantized_checkpoint(src, str(tmp_path / "awq"), "awq", group_size=128)
+    path, kw = src, {"quantization": "fp8"}
+    if method == "awq":
+        path, kw = str(tmp_path / "awq"), {}
+        write_quantized_checkpoint(src, path, "awq", group_size=128)
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, ignore_eos=True)
 
     def run(prefetch: bool):
         with use_kernel_config(dataclasses.replace(kernel_config(), l2_prefetch=prefetch)):
-            llm = LLM(str(tmp_path / "awq"), skip_tokenizer_init=True, max_model_len=128,
-                      dtype="bfloat16")
+            llm = LLM(path, skip_tokenizer_init=True, max_model_len=128, dtype="bfloat16",
+                      **kw)
         out = llm.generate([{"prompt_token_ids": [5, 17, 42, 99, 3]}], params)[0].outputs[0]
         llm.shutdown()
         return out.token_ids, [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]

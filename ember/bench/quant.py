@@ -236,7 +236,7 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         path = ns.model
         if method in AWQ_METHODS:
             path = awq_config_dir(ns.model)
-        if method in ("fp8", "fp8-self-quant", "fp8-exact-accum", "fp8-fp8kv"):
+        if method in ("fp8", "fp8-self-quant", "fp8-exact-accum", "fp8-fp8kv", "fp8-prefetch"):
             kw["quantization"] = "fp8"
         if method in ("fp8kv", "fp8-fp8kv"):
             kw["kv_cache_dtype"] = "fp8"
@@ -246,14 +246,14 @@ def bench_engine(ns: argparse.Namespace) -> dict:
         # fp8-exact-accum: cuBLASLt's fp8 GEMMs promote their partial sums to float32 (no fast
         # accumulation). awq-gemv: the 4-bit layers on the CUDA cores (int4_gemv), not the
         # tensor cores. awq-bf16x: the 4-bit layers' inputs stay in half precision at 1-2 rows
-        # (int4_gemv), not int8 (w4a8_gemv). awq-prefetch: weights read into L2 beside
-        # attention (ember.layers.weight_prefetch).
+        # (int4_gemv), not int8 (w4a8_gemv). awq-prefetch, fp8-prefetch: weights read into L2
+        # beside attention (ember.layers.weight_prefetch).
         config = dataclasses.replace(kernel_config(),
                                      quantized_producers=method != "fp8-self-quant",
                                      fp8_fast_accumulation=method != "fp8-exact-accum",
                                      int4_tensor_cores=method != "awq-gemv",
                                      int4_int8_activations=method != "awq-bf16x",
-                                     l2_prefetch=method == "awq-prefetch")
+                                     l2_prefetch=method.endswith("-prefetch"))
         start = time.perf_counter()
         with use_kernel_config(config):
             llm = LLM(path, **kw)
@@ -330,7 +330,8 @@ def main() -> None:
     e.add_argument("--model", default="ember/configs/llama-3.1-8b")
     e.add_argument("--methods", nargs="+", default=["bf16", "fp8", "awq"],
                    choices=["bf16", "fp8", "fp8-exact-accum", "fp8-self-quant", "awq",
-                            "awq-gemv", "awq-bf16x", "awq-prefetch", "fp8kv", "fp8-fp8kv"])
+                            "awq-gemv", "awq-bf16x", "awq-prefetch", "fp8kv", "fp8-fp8kv",
+                            "fp8-prefetch"])
     e.add_argument("--num-prompts", type=int, default=256)
     e.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
     e.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])

@@ -46,8 +46,8 @@ class KernelConfig:
     # the input stays in half precision (int4_gemv), as vLLM's AWQ layers keep it: the int8
     # rounding moves outputs by ~0.3% of their largest value (docs/benchmarks.md).
     int4_int8_activations: bool = True
-    # Decoding one or two sequences, a 4-bit layer's o_proj weight and the next layer's qkv are
-    # read into L2 on a side stream during attention, whose short kernels leave the memory
+    # Decoding one or two sequences, a 4-bit or fp8 o_proj's weight and the next layer's qkv
+    # are read into L2 on a side stream during attention, whose short kernels leave the memory
     # idle (ember.layers.weight_prefetch).
     l2_prefetch: bool = False
 

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ember.kernels import dispatch
+from ember.kernels.config import kernel_config
 from ember.kernels.tuning import SMALL_BATCH_LINEAR_MAX_ROWS
 from ember.layers.linear import (
     Linear,
@@ -54,6 +55,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Columns per activation scale that fp8_gemv takes from a producer (a multiple of its K tiles).
 ACTIVATION_GROUP = 1024
+# Up to this many rows (decoding one or two sequences) the weights are worth reading into L2
+# ahead of their layer (KernelConfig.l2_prefetch).
+PREFETCH_ROWS = 2
 
 
 def _load_weight_scale(param: torch.Tensor, loaded: torch.Tensor,
@@ -163,8 +167,6 @@ def fp8_linear_quantized(x: QuantizedActivation, weight: torch.Tensor,
         raise ValueError(f"cuBLASLt takes one activation scale per row, not {x.scale.shape[-1]} "
                          f"({x.data.shape[0]} rows)")
     # Row-wise scaling in cuBLASLt writes bf16; a float16 model casts the result back.
-    from ember.kernels.config import kernel_config
-
     y = torch._scaled_mm(x.data, weight.t(), scale_a=x.scale,
                          scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16,
                          use_fast_accum=kernel_config().fp8_fast_accumulation)
@@ -192,6 +194,7 @@ class Fp8LinearMethod(LinearMethod):
         layer.small_batch_max_rows = (SMALL_BATCH_LINEAR_MAX_ROWS
                                       if dispatch.layer_kernels_enabled() else 0)
         layer.activation_dtype = dtype
+        layer.l2_prefetch = kernel_config().l2_prefetch  # read as the layer is built
         weight_dtype = FP8 if self.serialized else dtype
         layer.register_weight("weight", nn.Parameter(torch.empty(out, input_size,
                                                                  dtype=weight_dtype),
@@ -229,6 +232,12 @@ class Fp8LinearMethod(LinearMethod):
             return 0
         block_k = fp8_gemv_config(layer.weight.shape[0], k, x.device, True).block_k
         return ACTIVATION_GROUP if ACTIVATION_GROUP % block_k == 0 else 0
+
+    def weights_to_prefetch(self, layer: Linear, rows: int) -> list[torch.Tensor]:
+        # Decoding one or two sequences, where fp8_gemv's time is its weight read.
+        if layer.l2_prefetch and rows <= PREFETCH_ROWS and dispatch.on_gpu(layer.weight):
+            return [layer.weight, layer.weight_scale]
+        return []
 
     def apply(self, layer: Linear, x: torch.Tensor | QuantizedActivation,
               bias: torch.Tensor | None) -> torch.Tensor:
