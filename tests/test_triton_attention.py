@@ -209,6 +209,46 @@ def test_decode_stores_new_kv(num_splits):
     assert torch.equal(out[2].cpu(), torch.zeros(4, head_size))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rotates_q_and_the_new_key(num_splits, dtype):
+    """rotary=(cos, sin): q and the new keys arrive unrotated and the kernel rotates them as
+    it loads them: the same output and cache, bit for bit, as ember.kernels.rotary's rotation
+    in place and then the kernel (a padded row, slot -1, included)."""
+    from ember.kernels.rotary import rotary_inplace
+
+    seq_lens = [37, 9, 0]
+    num_kv_heads, head_size, block_size = 2, 32, 4
+    cache, bt = make_paged([37, 9, 1], num_kv_heads, head_size, block_size, dtype, seed=3)
+    slots = torch.tensor([int(bt[r, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for r, n in enumerate(seq_lens[:2])] + [-1], device=DEV)
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(3, (4 + 2 * num_kv_heads) * head_size, generator=gen).to(DEV, dtype)
+    angles = torch.rand(3, head_size // 2, generator=gen) * 6.0
+    cos, sin = angles.cos().to(DEV, dtype), angles.sin().to(DEV, dtype)
+
+    def run(fused: bool):
+        cache_now, x = cache.clone(), qkv.clone()
+        q, k, v = x.split([4 * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1)
+        q = q.view(3, 4, head_size)
+        k, v = k.view(3, num_kv_heads, head_size), v.view(3, num_kv_heads, head_size)
+        if not fused:
+            rotary_inplace(q, k, cos, sin, head_size)
+        out = paged_decode_attention(q, cache_now, _i32(seq_lens), bt, 0.25,
+                                     num_splits=num_splits, config=DecodeConfig(block_n=16),
+                                     new_kv=(k, v, slots),
+                                     rotary=(cos, sin) if fused else None)
+        return out, cache_now
+
+    (fused, fused_cache), (plain, plain_cache) = run(True), run(False)
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache.nan_to_num(7.0), plain_cache.nan_to_num(7.0))
+    assert not torch.equal(plain_cache.nan_to_num(7.0), cache.nan_to_num(7.0))
+    with pytest.raises(ValueError, match="new_kv"):
+        paged_decode_attention(qkv[:, :4 * head_size].view(3, 4, head_size), cache,
+                               _i32(seq_lens), bt, 0.25, rotary=(cos, sin))
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_window_softcap_and_padding_rows(num_splits):
     # seq_len 0 marks a padded graph slot: its output must be finite (zeros), not NaN.
@@ -314,6 +354,31 @@ def test_backend_forward(graph_batch, shape, monkeypatch):
     n = meta.num_actual_tokens
     assert torch.equal(cache.nan_to_num(7.0), ref_cache.nan_to_num(7.0))
     _close(out[:n], ref, 1e-4)
+
+
+@pytest.mark.parametrize("shape", [MIXED, DECODE_ONLY])
+def test_backend_rotates_what_it_is_handed_unrotated(shape, monkeypatch):
+    """fuses_rotary: handed rotary=(cos, sin), the backend rotates the decodes in their kernel
+    and the rest with the rotary kernel: the same output and cache, bit for bit, as rotating
+    q and k first. Partial rotations and non-power-of-two heads are the layer's to do."""
+    from ember.kernels.rotary import rotary_inplace
+
+    monkeypatch.setattr(TritonBackend, "graph_max_batch_size", 0)
+    num_heads, num_kv_heads, head_size = 4, 2, 32
+    q, k, v, cache, meta = _batch(num_heads, num_kv_heads, head_size, 4, torch.float32, shape)
+    angles = torch.rand(q.shape[0], head_size // 2, generator=torch.Generator().manual_seed(1))
+    cos, sin = (angles * 5).cos().to(DEV), (angles * 5).sin().to(DEV)
+    impl = TritonBackend.impl_cls()(num_heads, head_size, 0.2, num_kv_heads)
+    assert impl.fuses_rotary(head_size) and not impl.fuses_rotary(head_size // 2)
+    assert not TritonBackend.impl_cls()(num_heads, 48, 0.2, num_kv_heads).fuses_rotary(48)
+    fused_cache = cache.clone()
+    fused = impl.forward(q.clone(), k.clone(), v, fused_cache, meta, rotary=(cos, sin))
+    q2, k2 = q.clone(), k.clone()
+    rotary_inplace(q2, k2, cos, sin, head_size)
+    plain = impl.forward(q2, k2, v, cache, meta)
+    n = meta.num_actual_tokens
+    assert torch.equal(fused[:n], plain[:n])
+    assert torch.equal(fused_cache.nan_to_num(7.0), cache.nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("shape,want", [(DECODE_ONLY, [None, None]), (MIXED, "lengths")])

@@ -80,6 +80,15 @@ class AttentionImpl:
         tensor. False by default; ``forward`` is then never passed ``quantize``."""
         return False
 
+    def fuses_rotary(self, rotary_dim: int) -> bool:
+        """Whether ``forward`` takes ``rotary=(cos, sin)``: q and k handed over unrotated with
+        the step's per-token tables ([num_tokens, rotary_dim / 2] each, in q's dtype, as
+        ``RotaryEmbedding.cos_sin`` makes them), and rotated by ``forward`` before it stores K
+        and attends: rotate_half over each head's first ``rotary_dim`` dims, bit for bit
+        ember.kernels.rotary's result. False by default; ``forward`` is then never passed
+        ``rotary``."""
+        return False
+
 
 class AttentionBackend:
     """A named attention implementation plus its static capabilities."""

@@ -84,6 +84,11 @@ class TritonImpl(AttentionImpl):
 
         return dtype == torch.int8 and self.head_size == kernels.int8_act.GROUP
 
+    def fuses_rotary(self, rotary_dim: int) -> bool:
+        # The decode kernel rotates q and the step's key as it loads them (a kernel fewer a
+        # layer); the rotary kernel rotates the prefill tokens.
+        return rotary_dim == self.head_size == kernels.launch.head_pad(self.head_size)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -92,6 +97,7 @@ class TritonImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         quantize: torch.dtype | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         import torch
 
@@ -100,6 +106,10 @@ class TritonImpl(AttentionImpl):
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
         num_decodes = metadata.num_decode_tokens
+        if rotary is not None and num_tokens > num_decodes:
+            cos, sin = rotary
+            kernels.rotary.rotary_inplace(q[num_decodes:], k[num_decodes:], cos[num_decodes:],
+                                          sin[num_decodes:], self.head_size)
         # The decode kernel writes the decode rows' K/V itself (one kernel fewer per layer);
         # the store kernel writes the rest.
         if num_tokens > num_decodes:
@@ -141,6 +151,8 @@ class TritonImpl(AttentionImpl):
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
                 int8_out=int8_out,
+                rotary=None if rotary is None else (rotary[0][:num_decodes],
+                                                    rotary[1][:num_decodes]),
             )
             if int8_out is not None:
                 return int8_out

@@ -34,7 +34,15 @@ from ember.kernels.decode_splits import (
     default_config,
 )
 from ember.kernels.int8_act import store_groups
-from ember.kernels.launch import dot_precision, head_pad, next_power_of_2, num_sms, pdl_options
+from ember.kernels.launch import (
+    compiled_for_gpu,
+    dot_precision,
+    head_pad,
+    next_power_of_2,
+    num_sms,
+    pdl_options,
+)
+from ember.kernels.rotary import rotated
 from ember.kernels.store_kv import fp8_max, quantize_fp8, soft_fp8, widen_fp8_to_f16
 from ember.kernels.tuning import DecodeConfig, tuning_for
 
@@ -75,6 +83,8 @@ def _decode_kernel(
     k_new_ptr,
     v_new_ptr,
     slot_ptr,
+    cos_ptr,
+    sin_ptr,
     scale,
     softcap,
     window,
@@ -93,6 +103,8 @@ def _decode_kernel(
     stride_oh,
     stride_knt,
     stride_vnt,
+    stride_cos,
+    stride_sin,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -105,6 +117,8 @@ def _decode_kernel(
     DIRECT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     STORE_NEW: tl.constexpr,
+    ROTARY: tl.constexpr,  # q and the new key arrive unrotated (see paged_decode_attention)
+    UNFUSED: tl.constexpr,  # ember.kernels.rotary's rounding of its products
     FP8_MAX: tl.constexpr,  # > 0: an fp8 cache (see the module docstring)
     SOFT_FP8: tl.constexpr,  # round to fp8 in float arithmetic (ember.kernels.store_kv)
     WIDEN_F16: tl.constexpr,  # an fp8 cache is widened to float16 (see the module docstring)
@@ -130,6 +144,17 @@ def _decode_kernel(
     q_ptrs = q_ptr + req.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     # Rows >= GROUP only pad M up to 16 for tl.dot; they are zero and never stored.
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if ROTARY:  # HEAD_PAD == HEAD_SIZE here
+        first = offs_d < HEAD_SIZE // 2
+        partner = tl.where(first, offs_d + HEAD_SIZE // 2, offs_d - HEAD_SIZE // 2)
+        cos = tl.load(cos_ptr + req.to(tl.int64) * stride_cos + offs_d % (HEAD_SIZE // 2))
+        sin = tl.load(sin_ptr + req.to(tl.int64) * stride_sin + offs_d % (HEAD_SIZE // 2))
+        cos = cos.to(tl.float32)
+        sin = sin.to(tl.float32)
+        q_partner = tl.load(q_ptrs - offs_d[None, :] + partner[None, :],
+                            mask=g_mask[:, None], other=0.0)
+        q = rotated(q.to(tl.float32), q_partner.to(tl.float32), cos[None, :], sin[None, :],
+                    first[None, :], q_ptr.dtype.element_ty, UNFUSED).to(q_ptr.dtype.element_ty)
     if FP8_MAX == 0:  # dots in the cache's dtype; an fp8 cache is widened to q's instead
         q = q.to(cache_ptr.dtype.element_ty)
     elif WIDEN_F16:
@@ -173,8 +198,12 @@ def _decode_kernel(
         # step's K/V to the cache and attends to them as one more key, rounding like the tiles.
         slot = tl.load(slot_ptr + req)
         if (lo <= last) & (last < hi):
-            k_new = tl.load(k_new_ptr + req.to(tl.int64) * stride_knt + kvh * HEAD_SIZE + offs_d,
-                            mask=d_mask, other=0.0)
+            k_row = k_new_ptr + req.to(tl.int64) * stride_knt + kvh * HEAD_SIZE
+            k_new = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
+            if ROTARY:
+                k_new = rotated(k_new.to(tl.float32), tl.load(k_row + partner).to(tl.float32),
+                                cos, sin, first, k_new_ptr.dtype.element_ty,
+                                UNFUSED).to(k_new_ptr.dtype.element_ty)
             v_new = tl.load(v_new_ptr + req.to(tl.int64) * stride_vnt + kvh * HEAD_SIZE + offs_d,
                             mask=d_mask, other=0.0)
             if FP8_MAX > 0:  # stored as ember.kernels.store_kv stores them
@@ -285,6 +314,7 @@ def paged_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     int8_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged context.
 
@@ -300,7 +330,11 @@ def paged_decode_attention(
     ``int8_out`` (ember.kernels.int8_act.empty_int8_rows(batch, num_heads * head_size)): the
     output is written there instead, in int8_act's form (what ``quantize_int8`` makes of the
     half-precision rows), for a 4-bit o_proj's integer GEMV; it needs split launches
-    (``num_splits`` > 1, the merge writes it) and heads of int8_act.GROUP.
+    (``num_splits`` > 1, the merge writes it) and heads of int8_act.GROUP. ``rotary = (cos,
+    sin)`` ([batch, head_size / 2] each, as ``RotaryEmbedding.cos_sin`` makes them): q and the
+    new keys (``new_kv``, needed then) arrive unrotated, and each program rotates them
+    (rotate_half over the whole head, bit for bit ember.kernels.rotary's result) as it loads
+    them: one kernel fewer a layer. Needs a power-of-two head size.
     """
     batch, num_heads, head_size = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -355,6 +389,15 @@ def paged_decode_attention(
         assert v_new.stride(-1) == 1 and v_new.stride(-2) == head_size
     else:
         k_new = v_new = slots = q  # unused by the kernel
+    if rotary is not None:
+        if new_kv is None or head_pad(head_size) != head_size:
+            raise ValueError("rotary needs the new keys (new_kv) and a power-of-two head size "
+                             f"(head_size={head_size})")
+        cos, sin = (t.reshape(t.shape[0], t.shape[-1]) for t in rotary)
+        assert cos.shape == sin.shape == (batch, head_size // 2), (cos.shape, sin.shape)
+        assert cos.stride(-1) == 1 and sin.stride(-1) == 1
+    else:
+        cos = sin = q  # unused by the kernel
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         kv_cache,
@@ -366,6 +409,8 @@ def paged_decode_attention(
         k_new,
         v_new,
         slots,
+        cos,
+        sin,
         scale=scale * k_scale if fp8 else scale,
         softcap=logits_soft_cap or 0.0,
         inv_k_scale=1.0 / k_scale,
@@ -380,7 +425,11 @@ def paged_decode_attention(
         stride_bt=block_table.stride(0),
         stride_knt=k_new.stride(0),
         stride_vnt=v_new.stride(0),
+        stride_cos=cos.stride(0),
+        stride_sin=sin.stride(0),
         STORE_NEW=new_kv is not None,
+        ROTARY=rotary is not None,
+        UNFUSED=compiled_for_gpu(q),
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
         BLOCK_SIZE=block_size,

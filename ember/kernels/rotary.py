@@ -38,6 +38,18 @@ def _product(a, b, UNFUSED: tl.constexpr):
 
 
 @triton.jit
+def rotated(x, partner, cos, sin, first_half, ty: tl.constexpr, UNFUSED: tl.constexpr):
+    """float32 elements of a rotate_half rotation, each rounded to ``ty`` as torch rounds it:
+    x * cos - partner * sin where ``first_half`` (x in the first half of the rotated dims,
+    ``partner`` its element half a rotation on), else x * cos + partner * sin. Each product
+    of two ``ty`` values is exact in float32, so rounding after each op as torch does gives
+    its results bit for bit."""
+    a = _product(x, cos, UNFUSED).to(ty).to(tl.float32)
+    b = _product(partner, sin, UNFUSED).to(ty).to(tl.float32)
+    return tl.where(first_half, a - b, a + b)
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr,
     k_ptr,
@@ -80,10 +92,8 @@ def _rotary_kernel(
     sin = tl.load(sin_ptr + tok * stride_sin + offs, mask=d_mask, other=0.0).to(tl.float32)
     cos = cos[None, :]
     sin = sin[None, :]
-    # [HEADS, half] tiles of x1 = x[:half] and x2 = x[half:rotary_dim]. Torch computes
-    # x1 * cos - x2 * sin with every op rounded to the half dtype; each product of two half
-    # values is exact in float32, so rounding after each op as torch does gives its results
-    # bit for bit.
+    # [HEADS, half] tiles of x1 = x[:half] and x2 = x[half:rotary_dim]; torch computes
+    # x1 * cos - x2 * sin and x2 * cos + x1 * sin with every op rounded to the half dtype.
     x1 = tl.load(rows + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(rows + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     if NORM:
@@ -95,10 +105,8 @@ def _rotary_kernel(
         w2 = tl.load(w_rows + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
         x1 = (w1 * (x1 * rstd[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
         x2 = (w2 * (x2 * rstd[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
-    o1 = (_product(x1, cos, UNFUSED).to(ty).to(tl.float32)
-          - _product(x2, sin, UNFUSED).to(ty).to(tl.float32))
-    o2 = (_product(x2, cos, UNFUSED).to(ty).to(tl.float32)
-          + _product(x1, sin, UNFUSED).to(ty).to(tl.float32))
+    o1 = rotated(x1, x2, cos, sin, True, ty, UNFUSED)
+    o2 = rotated(x2, x1, cos, sin, False, ty, UNFUSED)
     tl.store(rows + offs[None, :], o1.to(ty), mask=mask)
     tl.store(rows + HALF + offs[None, :], o2.to(ty), mask=mask)
 

@@ -16,6 +16,7 @@ from ember.attention_backends.base import AttentionBackend, AttentionMetadata
 from ember.kernels import dispatch
 from ember.kernels.config import kernel_config
 from ember.layers.linear import Linear, QuantizedActivation, wanted_input_dtype
+from ember.layers.rotary import PendingRotation
 
 
 @dataclass
@@ -59,35 +60,47 @@ class Attention(nn.Module):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
-        quant_for: Linear | None = None,
+        quant_for: Linear | None = None, rotation: PendingRotation | None = None,
     ) -> torch.Tensor | QuantizedActivation:
         """q: [T, num_heads(*head_size)], k/v: [T, num_kv_heads(*head_size)] -> [T, H * D].
 
         ``quant_for``: the projection the output feeds. Where it asks for its input quantized
         (``Linear.quantized_input_dtype``) and the backend writes that form
         (``AttentionImpl.writes_quantized``), the result may come as a QuantizedActivation.
+        ``rotation``: q and k are not rotated yet; the backend rotates them as it attends
+        where it can (``AttentionImpl.fuses_rotary``), else this layer first.
         """
         if self._op_key is not None and torch.compiler.is_compiling():
+            if rotation is not None:
+                q, k = rotation.apply(q, k)
             # One opaque call in the traced graph (ember.layers.compiled_attention).
             return torch.ops.ember.attention(q, k, v, self._op_key)
-        return self.eager_forward(q, k, v, ctx, quant_for)
+        return self.eager_forward(q, k, v, ctx, quant_for, rotation)
 
     def eager_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
-        quant_for: Linear | None = None,
+        quant_for: Linear | None = None, rotation: PendingRotation | None = None,
     ) -> torch.Tensor | QuantizedActivation:
         t = q.shape[0]
-        args = (q.view(t, self.num_heads, self.head_size),
-                k.view(t, self.num_kv_heads, self.head_size),
-                v.view(t, self.num_kv_heads, self.head_size),
+        q = q.view(t, self.num_heads, self.head_size)
+        k = k.view(t, self.num_kv_heads, self.head_size)
+        kwargs = {}
+        if rotation is not None:
+            tables = (rotation.tables_to_hand_over(q)
+                      if self.impl.fuses_rotary(rotation.rope.rotary_dim) else None)
+            if tables is None:
+                q, k = rotation.apply(q, k)
+            else:
+                kwargs["rotary"] = tables
+        args = (q, k, v.view(t, self.num_kv_heads, self.head_size),
                 ctx.kv_caches[self.layer_idx], ctx.attn_metadata)
         dtype = (wanted_input_dtype(quant_for, q.view(t, -1))
                  if self.quantized_producer and quant_for is not None and dispatch.on_gpu(q)
                  else None)
         if dtype is not None and self.impl.writes_quantized(dtype):
-            out = self.impl.forward(*args, quantize=dtype)
+            out = self.impl.forward(*args, quantize=dtype, **kwargs)
             return out if isinstance(out, torch.Tensor) else QuantizedActivation(*out)
-        return self.impl.forward(*args)
+        return self.impl.forward(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return (

@@ -15,7 +15,7 @@ one native call (ember.kernels.cpu.layer_ops), bit-identical too.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -230,3 +230,24 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}"
+
+
+class PendingRotation(NamedTuple):
+    """A rotation of q and k that the attention layer does, or hands to its backend to do as
+    it attends (``AttentionImpl.fuses_rotary``): one kernel fewer a layer."""
+
+    rope: RotaryEmbedding
+    cos: torch.Tensor
+    sin: torch.Tensor
+    qk_norms: tuple[RMSNorm, RMSNorm] | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope.apply_qk(q, k, self.cos, self.sin, self.qk_norms)
+
+    def tables_to_hand_over(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) where a backend may rotate in the rotary kernel's place: where that
+        kernel would run (CUDA, half precision, the layer kernels on), with no norm before it.
+        Otherwise None: the layer rotates."""
+        if self.qk_norms is None and self.rope.use_kernel and dispatch.takes_kernel(q):
+            return self.cos, self.sin
+        return None

@@ -31,7 +31,7 @@ from ember.layers.parallel_linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from ember.layers.rotary import RotaryEmbedding
+from ember.layers.rotary import PendingRotation, RotaryEmbedding
 from ember.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, parallel_logits
 from ember.layers.weight_prefetch import join_prefetches, prefetch_weights
 from ember.models.hf_weights import FusedHFWeightsMixin
@@ -110,10 +110,12 @@ class DecoderAttention(nn.Module):
         q, k, v = qkv.split(self.shard_sizes(), dim=-1)
         q = q.view(t, self.num_heads, self.head_size)
         k = k.view(t, self.num_kv_heads, self.head_size)
-        # Qwen3's per-head norms go with the rotation (on CUDA, one kernel for the three).
-        q, k = rope.apply_qk(q, k, cos, sin, (self.q_norm, self.k_norm) if self.qk_norm else None)
+        # Qwen3's per-head norms go with the rotation (on CUDA, one kernel for the three),
+        # which the attention backend may do as it attends.
+        rotation = PendingRotation(rope, cos, sin,
+                                   (self.q_norm, self.k_norm) if self.qk_norm else None)
         # A 4-bit o_proj takes the attention output in int8 where the backend writes it.
-        return self.o_proj(self.attn(q, k, v, ctx, quant_for=self.o_proj))
+        return self.o_proj(self.attn(q, k, v, ctx, quant_for=self.o_proj, rotation=rotation))
 
 
 class DecoderMLP(nn.Module):
