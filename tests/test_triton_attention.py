@@ -381,6 +381,55 @@ def test_backend_rotates_what_it_is_handed_unrotated(shape, monkeypatch):
     assert torch.equal(fused_cache.nan_to_num(7.0), cache.nan_to_num(7.0))
 
 
+def test_attention_layer_hands_the_rotation_over(monkeypatch):
+    """The attention layer hands a PendingRotation's tables to a backend that fuses it where
+    the rotary kernel would run (here the interpreter stands in for CUDA): the same output and
+    cache, bit for bit, as the layer rotating first. With a per-head norm first, or the layer
+    kernels off, the layer rotates."""
+    from ember.kernels import dispatch
+    from ember.kernels.rotary import rotary_inplace
+    from ember.layers.attention import Attention, ForwardContext
+    from ember.layers.norm import RMSNorm
+    from ember.layers.rotary import PendingRotation, RotaryEmbedding
+
+    monkeypatch.setattr(TritonBackend, "graph_max_batch_size", 0)
+    monkeypatch.setattr(dispatch, "takes_kernel", lambda x: True)
+    num_heads, num_kv_heads, head_size = 4, 2, 32
+    q, k, v, cache, meta = _batch(num_heads, num_kv_heads, head_size, 4, torch.float32, MIXED)
+    t = q.shape[0]
+    rope = RotaryEmbedding(head_size, 10000.0)
+    rope.use_kernel = True
+    cos, sin = rope.cos_sin(torch.arange(t, device=DEV) + 11, q.dtype)
+    layer = Attention(num_heads, head_size, 0.2, num_kv_heads, 0, TritonBackend)
+    handed = []
+    real = layer.impl.forward
+    monkeypatch.setattr(layer.impl, "forward",
+                        lambda *a, **kw: (handed.append("rotary" in kw), real(*a, **kw))[1])
+
+    def run(rotation):
+        c = cache.clone()
+        out = layer(q.reshape(t, -1).clone(), k.reshape(t, -1).clone(), v.reshape(t, -1),
+                    ForwardContext(meta, [c]), rotation=rotation)
+        return out, c
+
+    fused, fused_cache = run(PendingRotation(rope, cos, sin))
+    q_rot, k_rot = q.clone(), k.clone()
+    rotary_inplace(q_rot, k_rot, cos, sin, head_size)
+    plain_cache = cache.clone()
+    plain = layer(q_rot.reshape(t, -1), k_rot.reshape(t, -1), v.reshape(t, -1),
+                  ForwardContext(meta, [plain_cache]))
+    n = meta.num_actual_tokens
+    assert handed == [True, False]
+    assert torch.equal(fused[:n], plain[:n])
+    assert torch.equal(fused_cache.nan_to_num(7.0), plain_cache.nan_to_num(7.0))
+    norms = (RMSNorm(head_size, 1e-6), RMSNorm(head_size, 1e-6))
+    run(PendingRotation(rope, cos, sin, norms))
+    rope.use_kernel = False
+    unfused, _ = run(PendingRotation(rope, cos, sin))
+    assert handed == [True, False, False, False]
+    torch.testing.assert_close(unfused[:n], plain[:n], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("shape,want", [(DECODE_ONLY, [None, None]), (MIXED, "lengths")])
 def test_decode_splits_do_not_depend_on_graph_capture(shape, want, monkeypatch):
     """Eager decode steps (enforce_eager, or before any capture) pick their splits as graph
