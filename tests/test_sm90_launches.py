@@ -114,6 +114,11 @@ cases += [
     (silu_and_mul, "_silu_and_mul_int8_kernel", lambda: silu_and_mul.silu_and_mul_int8(gate_up)),
     (int8_act, "_quantize_int8_kernel", lambda: int8_act.quantize_int8(rows)),
     (decode_attention, "_reduce_kernel", merge_int8),  # the split merge writing int8 rows
+    (decode_attention, "_decode_kernel",  # rotating q and the new key as it loads them
+     lambda: decode_attention.paged_decode_attention(
+         q, cache, torch.tensor([20, 9, 0, 32], dtype=torch.int32),
+         torch.arange(8, dtype=torch.int32).view(4, 2), 0.1, num_splits=1,
+         new_kv=(kk, kk, slots), rotary=(cos, sin))),
     (l2_prefetch, "_l2_prefetch_kernel",
      lambda: l2_prefetch.prefetch_l2([qweight, scales, qzeros])),
     (rotary, "_rotary_kernel", lambda: rotary.rotary_inplace(q, kk, cos, sin, 128)),
@@ -137,4 +142,4 @@ print("compiled", len(splits))
 def test_kernels_compile_for_sm90_as_launched():
     proc = run_sm90_script(_SCRIPT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.strip().endswith("compiled 35"), proc.stdout[-2000:]
+    assert proc.stdout.strip().endswith("compiled 36"), proc.stdout[-2000:]
