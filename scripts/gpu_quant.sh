@@ -3,7 +3,7 @@
 # kernels and methods, the quantized linear kernels at Llama-3.1-8B's shapes, and Llama-3.1-8B
 # (dummy weights) with bf16, fp8 and AWQ side by side on nano-vllm's workload and at batch 1.
 # Usage: scripts/gpu_quant.sh [PART...]   parts: tests kernels engine attention w4a8tests
-# w4a8kernels w4a8engine w4a8profile prefetch
+# w4a8kernels w4a8engine w4a8profile prefetch rotary
 # (default: tests kernels engine; attention = the attention kernels' own GPU tests, which gpu_suite's
 # tests part also runs). Results under $OUT: quant.log, quant_tests.xml, quant_kernels.json,
 # quant_llama8b.json.
@@ -50,6 +50,18 @@ for part in $PARTS; do
                 tests/test_w4a8.py --junitxml="$OUT/prefetch_tests.xml"
               stage int8_producers 60 python3 -m ember.bench.int8_producers \
                 --out "$OUT/int8_producers.json" ;;
+    # The rotation inside decode attention (KernelConfig.rotary_in_attention) against the
+    # rotary kernel: the kernels' tests compiled (bit for bit the rotary kernel's result), then
+    # the engine without and with it.
+    rotary) stage rotary_tests 150 python3 -m pytest -v -p no:cacheprovider -rfE \
+              tests/test_triton_attention.py -k "rotat or backend or decode" \
+              --junitxml="$OUT/rotary_tests.xml"
+            for on in false true; do
+              stage rotary_engine_$on 200 python3 -m ember.bench.quant engine \
+                --model ember/configs/llama-3.1-8b --methods awq fp8 bf16 --num-prompts 8 \
+                --small-batches 2 --kernel-config rotary_in_attention=$on \
+                --out "$OUT/rotary_engine_$on.json"
+            done ;;
     # Where an AWQ batch-1 step goes with int8 rows: device time per kernel (PDL off).
     w4a8profile) AWQ_DIR=$(python3 -c "from ember.bench.quant import awq_config_dir; \
                    print(awq_config_dir('ember/configs/llama-3.1-8b'))")

@@ -382,11 +382,14 @@ def test_backend_rotates_what_it_is_handed_unrotated(shape, monkeypatch):
 
 
 def test_attention_layer_hands_the_rotation_over(monkeypatch):
-    """The attention layer hands a PendingRotation's tables to a backend that fuses it where
-    the rotary kernel would run (here the interpreter stands in for CUDA): the same output and
-    cache, bit for bit, as the layer rotating first. With a per-head norm first, or the layer
-    kernels off, the layer rotates."""
+    """With KernelConfig(rotary_in_attention=True) the attention layer hands a
+    PendingRotation's tables to a backend that fuses it where the rotary kernel would run (here
+    the interpreter stands in for CUDA): the same output and cache, bit for bit, as the layer
+    rotating first. With a per-head norm first, or the layer kernels off, the layer rotates."""
+    import dataclasses
+
     from ember.kernels import dispatch
+    from ember.kernels.config import kernel_config, use_kernel_config
     from ember.kernels.rotary import rotary_inplace
     from ember.layers.attention import Attention, ForwardContext
     from ember.layers.norm import RMSNorm
@@ -400,7 +403,8 @@ def test_attention_layer_hands_the_rotation_over(monkeypatch):
     rope = RotaryEmbedding(head_size, 10000.0)
     rope.use_kernel = True
     cos, sin = rope.cos_sin(torch.arange(t, device=DEV) + 11, q.dtype)
-    layer = Attention(num_heads, head_size, 0.2, num_kv_heads, 0, TritonBackend)
+    with use_kernel_config(dataclasses.replace(kernel_config(), rotary_in_attention=True)):
+        layer = Attention(num_heads, head_size, 0.2, num_kv_heads, 0, TritonBackend)
     handed = []
     real = layer.impl.forward
     monkeypatch.setattr(layer.impl, "forward",
@@ -428,6 +432,9 @@ def test_attention_layer_hands_the_rotation_over(monkeypatch):
     unfused, _ = run(PendingRotation(rope, cos, sin))
     assert handed == [True, False, False, False]
     torch.testing.assert_close(unfused[:n], plain[:n], rtol=1e-5, atol=1e-5)
+    rope.use_kernel = True  # the switch off (the default until measured): the layer rotates
+    off = Attention(num_heads, head_size, 0.2, num_kv_heads, 0, TritonBackend)
+    assert not off.hands_rotation_over
 
 
 @pytest.mark.parametrize("shape,want", [(DECODE_ONLY, [None, None]), (MIXED, "lengths")])

@@ -319,6 +319,8 @@ def bench_engine(ns: argparse.Namespace) -> dict:
 
 
 def main() -> None:
+    from ember.bench.profile_steps import set_kernel_fields
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="part", required=True)
     k = sub.add_parser("kernels")
@@ -341,7 +343,11 @@ def main() -> None:
                    help="also decode this many sequences at once (tok/s against bf16)")
     for p in (k, e):
         p.add_argument("--out", default=None)
+        p.add_argument("--kernel-config", nargs="*", default=[], metavar="FIELD=BOOL",
+                       help="KernelConfig fields to switch for every method, e.g. "
+                            "rotary_in_attention=true")
     ns = parser.parse_args()
+    set_kernel_fields(ns.kernel_config)
     result = bench_kernels(ns) if ns.part == "kernels" else bench_engine(ns)
     if ns.out:
         with open(ns.out, "w") as f:

@@ -50,6 +50,10 @@ class KernelConfig:
     # are read into L2 on a side stream during attention, whose short kernels leave the memory
     # idle (ember.layers.weight_prefetch).
     l2_prefetch: bool = False
+    # The attention backend rotates q and k as it attends where it can
+    # (AttentionImpl.fuses_rotary: the triton backend's decode kernel), one kernel fewer a layer
+    # in a decode step; off, the rotary kernel rotates them first. Off until measured on a GPU.
+    rotary_in_attention: bool = False
 
 
 _current = KernelConfig()

@@ -57,6 +57,7 @@ class Attention(nn.Module):
         )
         self._op_key: int | None = None  # this layer in ember::attention calls (if compiled)
         self.quantized_producer = kernel_config().quantized_producers
+        self.hands_rotation_over = kernel_config().rotary_in_attention
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
@@ -68,7 +69,8 @@ class Attention(nn.Module):
         (``Linear.quantized_input_dtype``) and the backend writes that form
         (``AttentionImpl.writes_quantized``), the result may come as a QuantizedActivation.
         ``rotation``: q and k are not rotated yet; the backend rotates them as it attends
-        where it can (``AttentionImpl.fuses_rotary``), else this layer first.
+        where it can (``AttentionImpl.fuses_rotary``, with KernelConfig.rotary_in_attention),
+        else this layer first.
         """
         if self._op_key is not None and torch.compiler.is_compiling():
             if rotation is not None:
@@ -86,8 +88,8 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_size)
         kwargs = {}
         if rotation is not None:
-            tables = (rotation.tables_to_hand_over(q)
-                      if self.impl.fuses_rotary(rotation.rope.rotary_dim) else None)
+            tables = (rotation.tables_to_hand_over(q) if self.hands_rotation_over
+                      and self.impl.fuses_rotary(rotation.rope.rotary_dim) else None)
             if tables is None:
                 q, k = rotation.apply(q, k)
             else:
