@@ -67,6 +67,22 @@ def _split_plan(seq_len, window, num_splits, BLOCK_N: tl.constexpr, SLIDING: tl.
     return start, tl.maximum(per_split, BLOCK_N)
 
 
+@triton.jit
+def _load_rotated(rows, offs_d, mask, cos_row, sin_row, HALF: tl.constexpr,
+                  UNFUSED: tl.constexpr):
+    """Heads ``rows + offs_d`` (of 2 * HALF elements, where ``mask``) loaded and rotated with
+    the token's tables (rotate_half over the whole head, as ember.kernels.rotary), in their
+    dtype."""
+    first = offs_d < HALF
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+    cos = tl.load(cos_row + offs_d % HALF).to(tl.float32)
+    sin = tl.load(sin_row + offs_d % HALF).to(tl.float32)
+    x = tl.load(rows + offs_d, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(rows + partner, mask=mask, other=0.0).to(tl.float32)
+    ty = rows.dtype.element_ty
+    return rotated(x, x_partner, cos, sin, first, ty, UNFUSED).to(ty)
+
+
 # Not specialized: num_splits changes with the batch and (in mixed steps) the longest sequence,
 # stride_bt with the widest block table of an eager step. Triton would compile a variant for a
 # value of 1 and for multiples of 16 of each; neither is on a hot path (a per-program divide,
@@ -143,18 +159,13 @@ def _decode_kernel(
     d_mask = offs_d < HEAD_SIZE
     q_ptrs = q_ptr + req.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     # Rows >= GROUP only pad M up to 16 for tl.dot; they are zero and never stored.
-    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    cos_row = cos_ptr + req.to(tl.int64) * stride_cos
+    sin_row = sin_ptr + req.to(tl.int64) * stride_sin
     if ROTARY:  # HEAD_PAD == HEAD_SIZE here
-        first = offs_d < HEAD_SIZE // 2
-        partner = tl.where(first, offs_d + HEAD_SIZE // 2, offs_d - HEAD_SIZE // 2)
-        cos = tl.load(cos_ptr + req.to(tl.int64) * stride_cos + offs_d % (HEAD_SIZE // 2))
-        sin = tl.load(sin_ptr + req.to(tl.int64) * stride_sin + offs_d % (HEAD_SIZE // 2))
-        cos = cos.to(tl.float32)
-        sin = sin.to(tl.float32)
-        q_partner = tl.load(q_ptrs - offs_d[None, :] + partner[None, :],
-                            mask=g_mask[:, None], other=0.0)
-        q = rotated(q.to(tl.float32), q_partner.to(tl.float32), cos[None, :], sin[None, :],
-                    first[None, :], q_ptr.dtype.element_ty, UNFUSED).to(q_ptr.dtype.element_ty)
+        q = _load_rotated(q_ptrs - offs_d[None, :], offs_d[None, :], g_mask[:, None], cos_row,
+                          sin_row, HEAD_SIZE // 2, UNFUSED)
+    else:
+        q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if FP8_MAX == 0:  # dots in the cache's dtype; an fp8 cache is widened to q's instead
         q = q.to(cache_ptr.dtype.element_ty)
     elif WIDEN_F16:
@@ -199,11 +210,11 @@ def _decode_kernel(
         slot = tl.load(slot_ptr + req)
         if (lo <= last) & (last < hi):
             k_row = k_new_ptr + req.to(tl.int64) * stride_knt + kvh * HEAD_SIZE
-            k_new = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
-            if ROTARY:
-                k_new = rotated(k_new.to(tl.float32), tl.load(k_row + partner).to(tl.float32),
-                                cos, sin, first, k_new_ptr.dtype.element_ty,
-                                UNFUSED).to(k_new_ptr.dtype.element_ty)
+            if ROTARY:  # loaded again here: nothing of q's rotation stays live over the loop
+                k_new = _load_rotated(k_row, offs_d, d_mask, cos_row, sin_row, HEAD_SIZE // 2,
+                                      UNFUSED)
+            else:
+                k_new = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
             v_new = tl.load(v_new_ptr + req.to(tl.int64) * stride_vnt + kvh * HEAD_SIZE + offs_d,
                             mask=d_mask, other=0.0)
             if FP8_MAX > 0:  # stored as ember.kernels.store_kv stores them
