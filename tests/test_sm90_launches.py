@@ -19,9 +19,9 @@ _SCRIPT = r'''
 import torch
 from sm90_launch import compile_as_launched
 
-from ember.kernels import (argmax, decode_attention, fp8_gemv, fp8_quant, gguf_matmul,
-                           int4_dequant, int4_gemv, int8_act, l2_prefetch, rms_norm, rotary,
-                           silu_and_mul, small_batch_linear, store_kv)
+from ember.kernels import (argmax, decode_attention, decode_merge, fp8_gemv, fp8_quant,
+                           gguf_matmul, int4_dequant, int4_gemv, int8_act, l2_prefetch, rms_norm,
+                           rotary, silu_and_mul, small_batch_linear, store_kv)
 
 torch.manual_seed(0)
 bf = torch.bfloat16
@@ -113,7 +113,7 @@ cases += [
      lambda: rms_norm.rms_norm_int8(rows, norm_w, 1e-6, rows)),
     (silu_and_mul, "_silu_and_mul_int8_kernel", lambda: silu_and_mul.silu_and_mul_int8(gate_up)),
     (int8_act, "_quantize_int8_kernel", lambda: int8_act.quantize_int8(rows)),
-    (decode_attention, "_reduce_kernel", merge_int8),  # the split merge writing int8 rows
+    (decode_merge, "_reduce_kernel", merge_int8),  # the split merge writing int8 rows
     (decode_attention, "_decode_kernel",  # rotating q and the new key as it loads them
      lambda: decode_attention.paged_decode_attention(
          q, cache, torch.tensor([20, 9, 0, 32], dtype=torch.int32),

@@ -22,7 +22,8 @@
 Shared pieces: ``launch`` (grid arithmetic, SM count, programmatic dependent launch, merge
 counters), ``buffers`` (persistent scratch buffers, one per purpose and device),
 ``attention_common`` (score scaling inside the attention kernels), ``decode_splits`` (split-KV
-decode's configs, split counts and workspace, host-side), ``int4_tile`` (the 4-bit
+decode's configs, split counts and workspace, host-side), ``decode_merge`` (split-KV decode's
+split plan and the merge of its splits), ``int4_tile`` (the 4-bit
 GEMV's tiles), ``split_k`` (the linear kernels' in-kernel K-split merge), ``tuning`` (tuned
 tile configurations per device, as data), ``config`` (``KernelConfig``: what stays switchable,
 set once per process) and ``dispatch`` (whether a layer takes a kernel).
@@ -63,7 +64,7 @@ OPS = (
     "fp8_gemv",
     "l2_prefetch",
 )
-_LAZY_MODULES = frozenset((*OPS, "decode_splits", "launch", "fast_launch", "attention_common",
+_LAZY_MODULES = frozenset((*OPS, "decode_splits", "decode_merge", "launch", "fast_launch", "attention_common",
                            "int4_tile", "split_k", "buffers", "dispatch", "tuning"))
 
 __all__ = ["OPS", "KernelConfig", "kernel_config", "set_kernel_config", "use_kernel_config"]

@@ -5,7 +5,7 @@ head in the kv group at once (GQA: each K/V tile is read from HBM once for the w
 walks its share of the context in BLOCK_N-token tiles gathered through ``block_table``, and keeps
 an online softmax in fp32. With one split it writes the output directly (the fast path when the
 batch alone fills the GPU); otherwise it writes a normalised partial output and its log-sum-exp,
-and kernel 2 merges the splits of each (request, head).
+and kernel 2 (ember.kernels.decode_merge) merges the splits of each (request, head).
 
 The grid depends only on the batch size and the split count, and empty splits or requests with
 ``seq_len == 0`` (padding in CUDA-graph batches) are handled in the kernels, so launches are
@@ -28,12 +28,12 @@ import triton.language as tl
 
 from ember.kernels import int8_act
 from ember.kernels.attention_common import NEG_BIG, scaled_scores
+from ember.kernels.decode_merge import merge_splits, split_plan
 from ember.kernels.decode_splits import (
     choose_num_splits,
     decode_workspace_numel,
     default_config,
 )
-from ember.kernels.int8_act import store_groups
 from ember.kernels.launch import (
     compiled_for_gpu,
     dot_precision,
@@ -42,7 +42,7 @@ from ember.kernels.launch import (
     num_sms,
     pdl_options,
 )
-from ember.kernels.rotary import rotated
+from ember.kernels.rotary import load_rotated
 from ember.kernels.store_kv import fp8_max, quantize_fp8, soft_fp8, widen_fp8_to_f16
 from ember.kernels.tuning import DecodeConfig, tuning_for
 
@@ -53,34 +53,6 @@ __all__ = [
     "default_config",
     "paged_decode_attention",
 ]
-
-
-@triton.jit
-def _split_plan(seq_len, window, num_splits, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
-    """First key tile of a request and keys per split (a multiple of BLOCK_N, at least one)."""
-    start = 0
-    if SLIDING:
-        start = tl.maximum(seq_len - window, 0)
-    start = (start // BLOCK_N) * BLOCK_N
-    span = tl.maximum(seq_len - start, 0)
-    per_split = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
-    return start, tl.maximum(per_split, BLOCK_N)
-
-
-@triton.jit
-def _load_rotated(rows, offs_d, mask, cos_row, sin_row, HALF: tl.constexpr,
-                  UNFUSED: tl.constexpr):
-    """Heads ``rows + offs_d`` (of 2 * HALF elements, where ``mask``) loaded and rotated with
-    the token's tables (rotate_half over the whole head, as ember.kernels.rotary), in their
-    dtype."""
-    first = offs_d < HALF
-    partner = tl.where(first, offs_d + HALF, offs_d - HALF)
-    cos = tl.load(cos_row + offs_d % HALF).to(tl.float32)
-    sin = tl.load(sin_row + offs_d % HALF).to(tl.float32)
-    x = tl.load(rows + offs_d, mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(rows + partner, mask=mask, other=0.0).to(tl.float32)
-    ty = rows.dtype.element_ty
-    return rotated(x, x_partner, cos, sin, first, ty, UNFUSED).to(ty)
 
 
 # Not specialized: num_splits changes with the batch and (in mixed steps) the longest sequence,
@@ -147,7 +119,7 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    start, per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
+    start, per_split = split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
     lo = start + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)  # hi <= lo: empty split, the loop does nothing
 
@@ -162,7 +134,7 @@ def _decode_kernel(
     cos_row = cos_ptr + req.to(tl.int64) * stride_cos
     sin_row = sin_ptr + req.to(tl.int64) * stride_sin
     if ROTARY:  # HEAD_PAD == HEAD_SIZE here
-        q = _load_rotated(q_ptrs - offs_d[None, :], offs_d[None, :], g_mask[:, None], cos_row,
+        q = load_rotated(q_ptrs - offs_d[None, :], offs_d[None, :], g_mask[:, None], cos_row,
                           sin_row, HEAD_SIZE // 2, UNFUSED)
     else:
         q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
@@ -211,7 +183,7 @@ def _decode_kernel(
         if (lo <= last) & (last < hi):
             k_row = k_new_ptr + req.to(tl.int64) * stride_knt + kvh * HEAD_SIZE
             if ROTARY:  # loaded again here: nothing of q's rotation stays live over the loop
-                k_new = _load_rotated(k_row, offs_d, d_mask, cos_row, sin_row, HEAD_SIZE // 2,
+                k_new = load_rotated(k_row, offs_d, d_mask, cos_row, sin_row, HEAD_SIZE // 2,
                                       UNFUSED)
             else:
                 k_new = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
@@ -251,60 +223,6 @@ def _decode_kernel(
         keep = g_mask & (lo < hi)
         tl.store(p_ptrs, o, mask=keep[:, None])
         tl.store(part_lse_ptr + row, m_i + tl.log2(safe_l), mask=keep)
-
-
-@triton.jit(do_not_specialize=["num_splits"])  # see _decode_kernel; SPLITS_PAD stays
-def _reduce_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    words_ptr,
-    int8_scale_ptr,
-    int8_sums_ptr,
-    window,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SLIDING: tl.constexpr,
-    INT8_OUT: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    if PDL:  # see ember.kernels.launch.pdl_options
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + req)
-    start, per_split = _split_plan(seq_len, window, num_splits, BLOCK_N, SLIDING)
-    # Only splits that saw keys wrote anything; the rest of the workspace is stale memory.
-    n_valid = tl.cdiv(tl.maximum(seq_len - start, 0), per_split)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_PAD)
-    s_mask = offs_s < n_valid
-    row = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s
-    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len == 0 (graph padding): output zeros
-    w = tl.where(s_mask, tl.exp2(lse - m), 0.0)
-    parts = tl.load(part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :],
-                    mask=s_mask[:, None], other=0.0)
-    total = tl.sum(w, 0)
-    o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    o = o.to(out_ptr.dtype.element_ty)
-    if INT8_OUT:  # the head is one int8 group (HEAD_SIZE == int8_act.GROUP): quantized whole
-        store_groups(o.to(tl.float32).reshape(HEAD_SIZE // 8, 8), head + tl.arange(0, 1),
-                     NUM_HEADS, words_ptr + req.to(tl.int64) * (NUM_HEADS * HEAD_SIZE // 8),
-                     int8_scale_ptr + req * NUM_HEADS, int8_sums_ptr + req * NUM_HEADS,
-                     HEAD_SIZE)
-    else:
-        o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + head * stride_oh + offs_d
-        tl.store(o_ptrs, o, mask=offs_d < HEAD_SIZE)
 
 
 def paged_decode_attention(
@@ -455,19 +373,5 @@ def paged_decode_attention(
         **common,
     )
     if not direct:
-        # Unused pointers (no int8 output) stand in as the workspace's.
-        words, int8_scales, int8_sums = int8_out or (part_out, part_lse, part_lse)
-        _reduce_kernel[(batch, num_heads)](
-            part_out,
-            part_lse,
-            seq_lens,
-            out,
-            words.view(torch.int64) if int8_out else words,
-            int8_scales,
-            int8_sums,
-            INT8_OUT=int8_out is not None,
-            SPLITS_PAD=next_power_of_2(num_splits),
-            num_warps=4 if hpad >= 128 else 2,
-            **common,
-        )
+        merge_splits(part_out, part_lse, seq_lens, out, int8_out, **common)
     return out

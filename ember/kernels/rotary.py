@@ -50,6 +50,22 @@ def rotated(x, partner, cos, sin, first_half, ty: tl.constexpr, UNFUSED: tl.cons
 
 
 @triton.jit
+def load_rotated(rows, offs_d, mask, cos_row, sin_row, HALF: tl.constexpr,
+                  UNFUSED: tl.constexpr):
+    """Heads ``rows + offs_d`` (of 2 * HALF elements, where ``mask``) loaded and rotated with
+    one token's tables (``cos_row``, ``sin_row``; rotate_half over the whole head), in their
+    dtype: for a kernel that rotates what it loads (ember.kernels.decode_attention)."""
+    first = offs_d < HALF
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+    cos = tl.load(cos_row + offs_d % HALF).to(tl.float32)
+    sin = tl.load(sin_row + offs_d % HALF).to(tl.float32)
+    x = tl.load(rows + offs_d, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(rows + partner, mask=mask, other=0.0).to(tl.float32)
+    ty = rows.dtype.element_ty
+    return rotated(x, x_partner, cos, sin, first, ty, UNFUSED).to(ty)
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr,
     k_ptr,
